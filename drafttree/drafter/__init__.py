@@ -1,0 +1,5 @@
+"""DFlash block-diffusion drafter: model, checkpoints, training."""
+from drafttree.drafter.checkpoint import CheckpointError, load_drafter, save_drafter
+from drafttree.drafter.model import DFlashConfig, DFlashDrafter, block_attention_mask
+
+__all__ = ["DFlashConfig", "DFlashDrafter", "block_attention_mask", "load_drafter", "save_drafter", "CheckpointError"]

@@ -1,0 +1,304 @@
+"""DFlash block-diffusion drafter (Qwen3-style layers with target-context "KV injection").
+
+One round: the block [last committed token, mask x (B-1)] at positions s..s+B-1 runs through
+a few draft layers whose attention keys/values are [context ; block]. The context is the
+target's hidden states after layers `target_layer_ids`, fused by `fc` + `hidden_norm` and
+projected by each layer's own k/v projections; it never enters the residual stream. Block
+index i predicts the token at position s+i (same position, no shift); index 0 is unused.
+
+The drafter owns neither embedding nor LM head: both come from the target at call time.
+Mask token: published checkpoints name a `mask_token_id` (a spare row of the target's
+embedding). SmolLM2 has no spare row, so drafters trained here set `mask_token_id = None`
+and carry a learned `mask_embedding` [H] saved beside the published tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from drafttree.model.layers import RMSNorm, RotaryTable, apply_rotary
+
+Embed = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]  # embedding weight [V, H] or ids -> [n, H]
+LMHead = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]  # head weight [V, H] or hidden -> logits
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default: the middle layer for one draft layer, else evenly spaced over 1..L-3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int  # draft layers
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's vocabulary (LM head rows)
+    target_layer_ids: list[int] = field(default_factory=list)
+    num_target_layers: int | None = None
+    block_size: int = 16
+    mask_token_id: int | None = None  # None: use the learned `mask_embedding` tensor
+    target_hidden_size: int | None = None  # defaults to hidden_size (as in all published drafters)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+    draft_vocab_size: int | None = None  # optional reduced LM head (see DFlashDrafter.draft_vocab)
+
+    def __post_init__(self):
+        if not self.target_layer_ids:
+            if self.num_target_layers is None:
+                raise ValueError("DFlashConfig needs target_layer_ids or num_target_layers")
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @property
+    def context_dim(self) -> int:
+        """Width of the runtime's context feature: k target layers concatenated."""
+        return len(self.target_layer_ids) * self.target_hidden_size
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H = cfg.hidden_size
+        self.q_proj = nn.Linear(H, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, H, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def keys_values(self, x, cos, sin):
+        """x [T, H] -> k, v [kv_heads, T, d]; k is k-normed and RoPE'd (context and block alike)."""
+        T = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(T, self.n_kv, self.head_dim)).transpose(0, 1)
+        v = self.v_proj(x).view(T, self.n_kv, self.head_dim).transpose(0, 1)
+        return apply_rotary(k, cos, sin), v
+
+    def queries(self, x, cos, sin):
+        T = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(T, self.n_heads, self.head_dim)).transpose(0, 1)
+        return apply_rotary(q, cos, sin)
+
+    def attend(self, q, k, v, mask=None):
+        """q [heads, Q, d] against k/v [kv_heads, K, d]; bidirectional unless a boolean mask is given."""
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+        return self.o_proj(out.transpose(0, 1).reshape(q.shape[1], self.n_heads * self.head_dim))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DraftMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h, cos, sin, ctx_k, ctx_v, mask=None):
+        """h [Q, H] block rows; ctx_k/ctx_v [kv_heads, C, d] already-projected context."""
+        x = self.input_layernorm(h)
+        q = self.self_attn.queries(x, cos, sin)
+        k, v = self.self_attn.keys_values(x, cos, sin)
+        k, v = torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1)
+        h = h + self.self_attn.attend(q, k, v, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        H = config.hidden_size
+        self.fc = nn.Linear(config.context_dim, H, bias=False)
+        self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        if config.mask_token_id is None:
+            self.mask_embedding = nn.Parameter(torch.zeros(H))
+        if config.draft_vocab_size:
+            # target token ids the reduced head scores (sorted); a buffer so it is saved and moved with the model
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size, dtype=torch.long))
+        self.rotary = RotaryTable(config.head_dim, config.rope_theta, config.max_position_embeddings)
+        self._cache_k: torch.Tensor | None = None  # [layers, kv_heads, capacity, d]
+        self._cache_v: torch.Tensor | None = None
+        self.context_len = 0
+        self._head_cache: tuple | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02):
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+        if self.config.mask_token_id is None:
+            nn.init.normal_(self.mask_embedding, std=std)
+
+    # ---- shared pieces -------------------------------------------------------------------
+    def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
+        """[N, k*H_target] concatenated target hidden states -> [N, H] context vectors."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def mask_vector(self, embed: Embed) -> torch.Tensor:
+        if self.config.mask_token_id is None:
+            return self.mask_embedding
+        return _embed(embed, torch.tensor([self.config.mask_token_id]))[0]
+
+    def block_embeds(self, token: int | torch.Tensor, embed: Embed) -> torch.Tensor:
+        """[B, H] inputs of one block: the last committed token, then B-1 mask vectors."""
+        tok = _embed(embed, torch.as_tensor(token, dtype=torch.long).view(1))
+        mask = self.mask_vector(embed).to(tok.dtype)
+        return torch.cat([tok, mask.expand(self.config.block_size - 1, -1)])
+
+    # ---- inference: incremental context cache ---------------------------------------------
+    def reset(self) -> None:
+        self.context_len = 0
+
+    def _ensure_capacity(self, needed: int) -> None:
+        """Preallocated buffers; grown by doubling. `needed` includes the block's scratch rows."""
+        w = self.fc.weight
+        if self._cache_k is not None and self._cache_k.shape[2] >= needed and self._cache_k.dtype == w.dtype:
+            return
+        cap = max(needed, 2 * (self._cache_k.shape[2] if self._cache_k is not None else 256))
+        cfg = self.config
+        k = torch.zeros(cfg.num_hidden_layers, cfg.num_key_value_heads, cap, cfg.head_dim, dtype=w.dtype, device=w.device)
+        v = torch.zeros_like(k)
+        if self._cache_k is not None and self.context_len:
+            k[:, :, :self.context_len] = self._cache_k[:, :, :self.context_len]
+            v[:, :, :self.context_len] = self._cache_v[:, :, :self.context_len]
+        self._cache_k, self._cache_v = k, v
+
+    @torch.no_grad()
+    def extend_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append the context K/V of newly committed tokens (features [N, k*H], positions [N])."""
+        n = features.shape[0]
+        if n == 0:
+            return
+        self._ensure_capacity(self.context_len + n + self.config.block_size)
+        ctx = self.fuse_context(features)
+        cos, sin = self.rotary(positions, ctx.dtype)
+        end = self.context_len + n
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.keys_values(ctx, cos, sin)
+            self._cache_k[i, :, self.context_len:end] = k
+            self._cache_v[i, :, self.context_len:end] = v
+        self.context_len = end
+
+    def truncate_context(self, n: int) -> None:
+        if not 0 <= n <= self.context_len:
+            raise ValueError(f"cannot truncate a drafter context of {self.context_len} tokens to {n}")
+        self.context_len = n
+
+    @torch.no_grad()
+    def draft(self, block_embeds: torch.Tensor, start_position: int) -> torch.Tensor:
+        """Run one block [B, H] at positions start..start+B-1 against the cached context.
+
+        Returns the final-normed hidden states [B, H]; the block's own K/V are written to scratch
+        rows after the context and never committed.
+        """
+        B = block_embeds.shape[0]
+        self._ensure_capacity(self.context_len + B)
+        pos = torch.arange(start_position, start_position + B, device=block_embeds.device)
+        h = block_embeds.to(self.fc.weight.dtype)
+        cos, sin = self.rotary(pos, h.dtype)
+        c, end = self.context_len, self.context_len + B
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.queries(x, cos, sin)
+            k, v = attn.keys_values(x, cos, sin)
+            self._cache_k[i, :, c:end] = k  # scratch rows: the block sees itself and the whole context
+            self._cache_v[i, :, c:end] = v
+            h = h + attn.attend(q, self._cache_k[i, :, :end], self._cache_v[i, :, :end])
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    # ---- LM head -------------------------------------------------------------------------
+    def head_weight(self, lm_head: torch.Tensor) -> torch.Tensor:
+        """The target's head weight restricted to the draft vocabulary (sliced once, then cached)."""
+        if not self.config.draft_vocab_size:
+            return lm_head
+        key = (lm_head.data_ptr(), lm_head.shape, lm_head.dtype, lm_head._version, self.draft_vocab.data_ptr())
+        if self._head_cache is None or self._head_cache[0] != key:
+            self._head_cache = (key, lm_head[self.draft_vocab].contiguous())
+        return self._head_cache[1]
+
+    def draft_logits(self, hidden: torch.Tensor, lm_head: LMHead) -> torch.Tensor:
+        """Logits [n, V] over the target vocabulary; with a draft vocabulary the other ids get -inf."""
+        if not self.config.draft_vocab_size:
+            return lm_head(hidden) if callable(lm_head) else hidden @ lm_head.t().to(hidden.dtype)
+        if callable(lm_head) and not isinstance(lm_head, torch.Tensor):
+            raise TypeError("a reduced draft vocabulary needs the LM head weight tensor, not a callable")
+        w = self.head_weight(lm_head)
+        small = hidden @ w.t().to(hidden.dtype)
+        out = small.new_full((hidden.shape[0], self.config.vocab_size), float("-inf"))
+        return out.index_copy_(1, self.draft_vocab, small)
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        ids = torch.as_tensor(token_ids, dtype=torch.long).unique(sorted=True)
+        if ids.numel() != self.config.draft_vocab_size:
+            raise ValueError(f"draft vocab has {ids.numel()} unique ids, config says {self.config.draft_vocab_size}")
+        self.draft_vocab.copy_(ids)
+        self._head_cache = None
+
+    # ---- training: many blocks in one forward ---------------------------------------------
+    def forward(self, context_features, context_positions, block_embeds, block_positions, attn_mask):
+        """Packed multi-block forward (training; also usable as a reference).
+
+        context_features [C, k*H], context_positions [C]; block_embeds [Q, H] and block_positions [Q]
+        are all blocks' rows concatenated; attn_mask [Q, C + Q] boolean (True = may attend), see
+        `block_attention_mask`. Returns final-normed hidden states [Q, H].
+        """
+        ctx = self.fuse_context(context_features)
+        dtype = ctx.dtype
+        ccos, csin = self.rotary(context_positions, dtype)
+        bcos, bsin = self.rotary(block_positions, dtype)
+        h = block_embeds.to(dtype)
+        for layer in self.layers:
+            ck, cv = layer.self_attn.keys_values(ctx, ccos, csin)
+            h = layer(h, bcos, bsin, ck, cv, attn_mask)
+        return self.norm(h)
+
+
+def block_attention_mask(context_seq, context_positions, block_seq, block_anchor, block_size: int) -> torch.Tensor:
+    """Boolean [nb*B, C + nb*B]: each block's rows see its own sequence's context at positions < anchor
+    (tokens the target had already processed when that block would be drafted) and its own block."""
+    ctx_ok = (block_seq[:, None] == context_seq[None, :]) & (context_positions[None, :] < block_anchor[:, None])
+    nb = block_seq.shape[0]
+    blk_ok = torch.eye(nb, dtype=torch.bool, device=block_seq.device)
+    ctx_ok = ctx_ok.repeat_interleave(block_size, dim=0)
+    blk_ok = blk_ok.repeat_interleave(block_size, dim=0).repeat_interleave(block_size, dim=1)
+    return torch.cat([ctx_ok, blk_ok], dim=1)
+
+
+def _embed(embed: Embed, ids: torch.Tensor) -> torch.Tensor:
+    if isinstance(embed, torch.Tensor):
+        return embed[ids.to(embed.device)]
+    return embed(ids)
