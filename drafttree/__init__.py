@@ -1,0 +1,3 @@
+"""drafttree: lossless speculative decoding with draft trees."""
+
+__version__ = "0.1.0"

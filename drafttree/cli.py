@@ -1,0 +1,106 @@
+"""Command line: `drafttree generate|demo|bench-runtime|...`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .sampling import SamplingParams
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or checkpoint directory")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="weights/compute dtype")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _sampling(a) -> SamplingParams:
+    return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
+
+
+def cmd_generate(a) -> int:
+    from .engine import generate_ar
+    from .load import load_target
+
+    target = load_target(a.model, dtype=a.dtype, threads=a.threads)
+    ids = target.encode(a.prompt) if a.no_chat else target.encode_chat(a.prompt, system=a.system)
+    printed = []
+
+    def stream(tokens):  # decode the whole text each time: BPE pieces only make sense together
+        printed.extend(tokens)
+        text = target.decode(printed)
+        sys.stdout.write(text[len(stream.shown):])
+        sys.stdout.flush()
+        stream.shown = text
+
+    stream.shown = ""
+    if a.method != "ar":
+        from .methods import generate_with
+
+        result = generate_with(a.method, target, ids, a, on_tokens=stream)
+    else:
+        result = generate_ar(target, ids, a.max_new_tokens, _sampling(a), on_tokens=stream)
+    print()
+    print(result.stats.line(), file=sys.stderr)
+    return 0
+
+
+def cmd_demo(a) -> int:
+    from .demo import run_demo
+
+    return run_demo(a)
+
+
+def cmd_bench_runtime(a) -> int:
+    from .bench.runtime import run
+
+    return run(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="drafttree", description="Lossless speculative decoding with draft trees")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a reply to a prompt")
+    g.add_argument("prompt")
+    g.add_argument("--method", default="ar", choices=["ar", "chain", "ddtree", "caddtree"])
+    g.add_argument("--budget", type=int, default=16, help="draft-tree nodes for --method ddtree")
+    g.add_argument("--drafter", default=None, help="drafter directory (default: the one shipped for the model)")
+    g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    g.add_argument("--system", default=None, help="system message")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="the main job on the embedded default model")
+    _add_model_args(d)
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench-runtime", help="AR tokens/s vs transformers, and the forward-cost curve")
+    b.add_argument("--prompts", type=int, default=5)
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--out", default="runs/bench-runtime")
+    b.set_defaults(func=cmd_bench_runtime)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"drafttree: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Lean llama / qwen3 decoder for batch-1 decoding and tree verification (in the spirit of gpt-fast).
+
+One call does everything speculative decoding needs: `forward` runs any number of new tokens with
+explicit positions and an ancestor mask over the new tokens (the committed prefix is always visible),
+optionally returns the hidden states after chosen decoder layers (the drafter's input) and logits for
+selected rows only; `commit(rows)` keeps the accepted rows in the KV cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .layers import RMSNorm, RotaryTable, SwiGLU, apply_rotary
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # [R, V] fp32 for the requested rows
+    features: torch.Tensor | None  # [T, k*H]: hidden states after the captured layers, concatenated
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.group = self.n_heads // self.n_kv
+        self.qkv = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=cfg.attention_bias)
+        self.o = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, mask, cache: KVCache, layer: int) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv(x).split([self.n_heads * d, self.n_kv * d, self.n_kv * d], dim=-1)
+        q = q.view(t, self.n_heads, d).transpose(0, 1)
+        k = k.view(t, self.n_kv, d).transpose(0, 1)
+        v = v.view(t, self.n_kv, d).transpose(0, 1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        keys, values = cache.write(layer, k, v)
+        # Grouped-query attention without repeating K/V: the query heads sharing a KV head are
+        # stacked along the row axis, so each KV head is one [group*T, L+T] matmul.
+        q = q.reshape(self.n_kv, self.group * t, d)
+        scores = torch.matmul(q, keys.transpose(1, 2)) * d**-0.5
+        if mask is not None:
+            scores = scores + mask
+        probs = scores.float().softmax(-1).to(v.dtype)
+        out = torch.matmul(probs, values).view(self.n_heads, t, d).transpose(0, 1).reshape(t, self.n_heads * d)
+        return self.o(out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+
+    def forward(self, x, cos, sin, mask, cache, layer):
+        x = x + self.attn(self.input_norm(x), cos, sin, mask, cache, layer)
+        return x + self.mlp(self.post_norm(x))
+
+
+def additive_mask(visible: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bool [T, L+T] -> additive [group*T, L+T] (rows repeated for the stacked query heads)."""
+    m = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    return m.repeat(group, 1)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.cache: KVCache | None = None
+
+    def init_rope(self) -> None:
+        """Rope tables are derived, not loaded; build them outside any meta-device context."""
+        cfg = self.config
+        self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def cache_len(self) -> int:
+        return 0 if self.cache is None else self.cache.length
+
+    def setup_cache(self, max_len: int) -> None:
+        """Allocate (or grow) the KV cache; the committed prefix is kept."""
+        cfg = self.config
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(f"{max_len} tokens exceed the model's context of {cfg.max_position_embeddings}")
+        if self.cache is not None and self.cache.max_len >= max_len:
+            return
+        new = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len, self.dtype)
+        if self.cache is not None and self.cache.length:
+            n = self.cache.length
+            new.k[:, :, :n], new.v[:, :, :n] = self.cache.k[:, :, :n], self.cache.v[:, :, :n]
+            new.length = n
+        self.cache = new
+
+    def reset(self) -> None:
+        if self.cache is not None:
+            self.cache.truncate(0)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on final-normed hidden states; fp32 logits."""
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    def _visible(self, t: int, tree_mask: torch.Tensor | None) -> torch.Tensor | None:
+        past = self.cache.length
+        if tree_mask is None:
+            if t == 1:
+                return None  # one token sees everything
+            tree_mask = torch.ones(t, t, dtype=torch.bool).tril_()
+        if tree_mask.dtype != torch.bool:
+            raise TypeError(f"tree_mask must be a bool tensor, got {tree_mask.dtype}")
+        if tree_mask.shape == (t, past + t):
+            return tree_mask
+        if tree_mask.shape != (t, t):
+            raise ValueError(f"tree_mask must be [T, T] or [T, cache_len + T] = [{t}, {past + t}], got {tuple(tree_mask.shape)}")
+        return torch.cat([torch.ones(t, past, dtype=torch.bool), tree_mask], dim=1)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        capture_layers: tuple[int, ...] = (),
+        logits_rows: torch.Tensor | None = None,
+    ) -> ForwardOutput:
+        if self.cache is None:
+            raise RuntimeError("call setup_cache(max_len) before forward")
+        t, past = tokens.shape[0], self.cache.length
+        if past + t > self.cache.max_len:
+            raise ValueError(f"{past} cached + {t} new tokens exceed the cache of {self.cache.max_len}; call setup_cache")
+        if positions is None:
+            positions = torch.arange(past, past + t)
+        cos, sin = self.rope(positions, self.dtype)
+        visible = self._visible(t, tree_mask)
+        mask = None if visible is None else additive_mask(visible, self.config.num_heads // self.config.num_kv_heads, self.dtype)
+        x = self.embed_tokens(tokens)
+        captured = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, self.cache, i)
+            if i in capture_layers:
+                captured.append(x)
+        self.cache.pending = t
+        features = None
+        if capture_layers:
+            if len(captured) != len(capture_layers):
+                raise ValueError(f"capture_layers {capture_layers} must be distinct indices below {len(self.layers)}")
+            order = sorted(capture_layers)  # layers were collected in depth order; return in the caller's order
+            features = torch.cat([captured[order.index(i)] for i in capture_layers], dim=-1)
+        logits = None
+        if logits_rows is None or logits_rows.numel():
+            h = x if logits_rows is None else x[logits_rows]
+            logits = self.logits(self.norm(h))
+        return ForwardOutput(logits=logits, features=features)
+
+    def commit(self, rows: torch.Tensor) -> None:
+        self.cache.commit(rows)
+
+    def prefill(self, tokens: torch.Tensor, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """Run and commit a whole prompt; logits of the last token only."""
+        out = self.forward(tokens, capture_layers=capture_layers, logits_rows=torch.tensor([tokens.shape[0] - 1]))
+        self.commit(torch.arange(tokens.shape[0]))
+        return out

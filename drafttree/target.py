@@ -1,0 +1,38 @@
+"""A target model together with its tokenizer and chat template."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Target:
+    model: torch.nn.Module
+    tokenizer: object | None
+    name: str
+    stop_token_ids: tuple[int, ...] = field(default=())
+
+    def __post_init__(self):
+        if not self.stop_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.stop_token_ids = (self.tokenizer.eos_token_id,)
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.name!r} was loaded without tokenizer files; pass token ids instead of text")
+        return self.tokenizer
+
+    def encode_chat(self, prompt: str | list[dict], system: str | None = None) -> torch.Tensor:
+        """Token ids of a chat prompt (a user message or a list of messages) ready for the assistant's turn."""
+        tok = self._need_tokenizer()
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if system is not None:
+            messages = [{"role": "system", "content": system}, *messages]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        return torch.tensor(ids, dtype=torch.long)
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.tensor(self._need_tokenizer().encode(text, add_special_tokens=False), dtype=torch.long)
+
+    def decode(self, ids) -> str:
+        return self._need_tokenizer().decode(list(map(int, ids)), skip_special_tokens=True)
