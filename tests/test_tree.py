@@ -181,3 +181,11 @@ def test_bad_tree_structure():
         DraftTree(good.tokens, torch.tensor([-1, 0, 2]), good.depths, good.logprobs, good.path_logprobs)
     with pytest.raises(ValueError, match="length"):
         DraftTree(good.tokens, good.parents[:2], good.depths, good.logprobs, good.path_logprobs)
+
+
+def test_overhead_measurement_runs():
+    from drafttree.tree_overhead import measure_tree_build_overhead
+
+    rows = measure_tree_build_overhead(budgets=(4, 32), depth=5, vocab=500, repeats=2)
+    assert [r["budget"] for r in rows] == [4, 32]
+    assert all(r["total_us"] > 0 and r["max_depth"] >= 1 for r in rows)
