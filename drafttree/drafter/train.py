@@ -1,0 +1,439 @@
+"""Train a DFlash drafter on precomputed target features (see drafttree/drafter/data.py).
+
+One step: for each of a few sequences pick random anchors a in the response; block = [token a,
+mask x (B-1)] at positions a..a+B-1 sees the context features of positions < a and its own block
+(bidirectional); block index i is trained to predict token a+i with weight exp(-(i-1)/gamma).
+All blocks of a step run in one packed forward with a block-diagonal + context-prefix mask.
+The target's embedding and LM head are frozen tensors passed in. Runs alone or under torchrun
+(DDP, gloo). Checkpoints are safetensors + JSON only.
+
+  python -m drafttree.drafter.train --data DIR --target TARGET_DIR --out DIR --steps 2000
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from drafttree.drafter.checkpoint import load_drafter, save_drafter
+from drafttree.drafter.data import FeatureDataset
+from drafttree.drafter.loss import linear_cross_entropy
+from drafttree.drafter.model import DFlashConfig, DFlashDrafter, block_attention_mask
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    seqs_per_step: int = 4  # per rank
+    blocks_per_seq: int = 8  # anchors per sequence (fewer if the response is short)
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    loss_decay_gamma: float = 7.0  # position weight exp(-(i-1)/gamma); DFlash decays the loss with depth
+    seed: int = 0
+    log_every: int = 10
+    checkpoint_every: int = 200
+    ce_chunk_rows: int = 128
+    max_context: int | None = None  # clip context to the last N tokens before the anchor (None: all)
+    stop_at: int | None = None  # end this run after that step (schedule still spans `steps`): time-sliced jobs
+
+
+# ---- batches ------------------------------------------------------------------------------
+def build_batch(seqs: list[dict], cfg: DFlashConfig, blocks_per_seq: int, gen: torch.Generator,
+                gamma: float, max_context: int | None = None) -> dict | None:
+    """Sample anchors and pack all blocks of these sequences into one forward's inputs."""
+    B = cfg.block_size
+    depth = torch.arange(1, B)
+    pos_weight = torch.exp(-(depth - 1).float() / gamma)
+    ctx_f, ctx_pos, ctx_seq, anchors, bseq, btok, labels, weights = [], [], [], [], [], [], [], []
+    for si, s in enumerate(seqs):
+        ids, mask = s["input_ids"], s["loss_mask"]
+        T = ids.shape[0]
+        # anchor a is useful when the token it first predicts (a+1) is a response token
+        cand = torch.nonzero(mask[2:], as_tuple=False).flatten() + 1  # a >= 1: at least one context token
+        if cand.numel() == 0:
+            continue
+        a = cand[torch.randperm(cand.numel(), generator=gen)[:blocks_per_seq]].sort().values
+        lo = 0 if max_context is None else max(0, int(a.min()) - max_context)
+        hi = int(a.max())
+        ctx_f.append(s["features"][lo:hi])
+        ctx_pos.append(torch.arange(lo, hi))
+        ctx_seq.append(torch.full((hi - lo,), si))
+        tgt_pos = a[:, None] + depth[None, :]
+        inside = tgt_pos < T
+        tgt_pos = tgt_pos.clamp(max=T - 1)
+        ok = inside & mask[tgt_pos]
+        labels.append(torch.where(ok, ids[tgt_pos], -1))
+        weights.append(ok.float() * pos_weight)
+        anchors.append(a)
+        bseq.append(torch.full((a.numel(),), si))
+        btok.append(ids[a])
+    if not anchors:
+        return None
+    anchors, bseq = torch.cat(anchors), torch.cat(bseq)
+    ctx_pos, ctx_seq = torch.cat(ctx_pos), torch.cat(ctx_seq)
+    mask = block_attention_mask(ctx_seq, ctx_pos, bseq, anchors, B)
+    if max_context is not None:  # also hide context older than the window
+        keep = ctx_pos[None, :] >= (anchors[:, None] - max_context)
+        mask[:, :ctx_pos.numel()] &= keep.repeat_interleave(B, dim=0)
+    return {"context_features": torch.cat(ctx_f), "context_positions": ctx_pos, "anchor_tokens": torch.cat(btok),
+            "block_positions": (anchors[:, None] + torch.arange(B)).reshape(-1), "attn_mask": mask,
+            "labels": torch.cat(labels), "weights": torch.cat(weights)}
+
+
+class BlockForward(nn.Module):
+    """drafter + frozen target embedding as one module, so DDP sees every trainable use in forward."""
+
+    def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor):
+        super().__init__()
+        self.drafter = drafter
+        self.embed_weight = embed_weight  # plain attribute: not a parameter, not a buffer (never synced)
+
+    def forward(self, context_features, context_positions, anchor_tokens, block_positions, attn_mask):
+        d = self.drafter
+        B, H = d.config.block_size, d.config.hidden_size
+        dtype = d.fc.weight.dtype
+        tok = self.embed_weight[anchor_tokens].to(dtype)  # [nb, H]
+        maskv = d.mask_vector(self.embed_weight).to(dtype)
+        blocks = torch.cat([tok[:, None], maskv.expand(tok.shape[0], B - 1, H)], dim=1).reshape(-1, H)
+        return d(context_features, context_positions, blocks, block_positions, attn_mask)
+
+
+def block_loss(hidden: torch.Tensor, batch: dict, head: torch.Tensor, drafter: DFlashDrafter, chunk_rows: int):
+    """Weighted CE of block rows 1..B-1 (same-position targets). Returns (loss, correct [nb,B-1] bool)."""
+    B, H = drafter.config.block_size, drafter.config.hidden_size
+    rows = hidden.view(-1, B, H)[:, 1:].reshape(-1, H)
+    labels, weights = batch["labels"].reshape(-1), batch["weights"].reshape(-1)
+    if drafter.config.draft_vocab_size:  # targets outside the draft vocabulary cannot be drafted: no loss
+        lookup = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long)
+        lookup[drafter.draft_vocab] = torch.arange(drafter.draft_vocab.numel())
+        small = torch.where(labels >= 0, lookup[labels.clamp(min=0)], -1)
+        losses, preds = linear_cross_entropy(rows, head, small, chunk_rows)
+        preds = drafter.draft_vocab[preds]
+        weights = weights * (small >= 0)
+    else:
+        losses, preds = linear_cross_entropy(rows, head, labels, chunk_rows)
+    loss = (losses * weights).sum() / weights.sum().clamp(min=1e-8)
+    correct = (preds == labels).view(batch["labels"].shape)
+    return loss, correct
+
+
+# ---- optimizer / schedule -----------------------------------------------------------------
+def lr_at(step: int, tc: TrainConfig) -> float:
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    progress = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * cos)
+
+
+def make_optimizer(drafter: DFlashDrafter, tc: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for p in drafter.parameters() if p.ndim >= 2]
+    no_decay = [p for p in drafter.parameters() if p.ndim < 2]  # norms and the mask vector
+    return torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=tc.lr, betas=tc.betas)
+
+
+def save_optimizer(opt: torch.optim.Optimizer, drafter: DFlashDrafter, path: Path) -> None:
+    """AdamW state as safetensors (`<state>.<param name>`); hyperparameters live in the JSON trainer state."""
+    names = {p: n for n, p in drafter.named_parameters()}
+    tensors = {}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            tensors[f"{k}.{names[p]}"] = torch.as_tensor(v).detach().clone().contiguous()
+    save_file(tensors, str(path))
+
+
+def load_optimizer(opt: torch.optim.Optimizer, drafter: DFlashDrafter, path: Path) -> None:
+    tensors = load_file(str(path))
+    params = dict(drafter.named_parameters())
+    for key, v in tensors.items():
+        k, name = key.split(".", 1)
+        if name not in params:
+            raise ValueError(f"{path}: optimizer state for unknown parameter {name!r}")
+        opt.state[params[name]][k] = v
+
+
+# ---- target tensors -----------------------------------------------------------------------
+def load_target_head(target_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Embedding and LM head weights (+ config dict) from a Hugging Face target directory, read
+    straight from its safetensors (tied heads reuse the embedding)."""
+    target_dir = Path(target_dir)
+    cfg = json.loads((target_dir / "config.json").read_text())
+    index = target_dir / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    embed = head = None
+    for f in files:
+        with safe_open(str(target_dir / f), framework="pt") as sf:
+            for name in sf.keys():
+                if name.endswith("embed_tokens.weight"):
+                    embed = sf.get_tensor(name)
+                elif name == "lm_head.weight" or name.endswith(".lm_head.weight"):
+                    head = sf.get_tensor(name)
+    if embed is None:
+        raise ValueError(f"{target_dir}: no *embed_tokens.weight tensor")
+    return embed, head if head is not None else embed, cfg
+
+
+def drafter_config_from_target(target_cfg: dict, target_layer_ids: list[int], num_layers: int,
+                               block_size: int, draft_vocab_size: int | None = None) -> DFlashConfig:
+    """A drafter shaped like the target's layers (DFlash's recipe), with a learned mask vector."""
+    rope = dict(target_cfg.get("rope_parameters") or {})
+    n_heads = target_cfg["num_attention_heads"]
+    return DFlashConfig(
+        hidden_size=target_cfg["hidden_size"], intermediate_size=target_cfg["intermediate_size"],
+        num_hidden_layers=num_layers, num_attention_heads=n_heads,
+        num_key_value_heads=target_cfg.get("num_key_value_heads") or n_heads,
+        head_dim=target_cfg.get("head_dim") or target_cfg["hidden_size"] // n_heads,
+        vocab_size=target_cfg["vocab_size"], target_layer_ids=list(target_layer_ids),
+        num_target_layers=target_cfg["num_hidden_layers"], block_size=block_size, mask_token_id=None,
+        rms_norm_eps=target_cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", target_cfg.get("rope_theta", 10000.0))),
+        max_position_embeddings=target_cfg.get("max_position_embeddings", 8192),
+        draft_vocab_size=draft_vocab_size)
+
+
+# ---- metrics ------------------------------------------------------------------------------
+def save_plots(metrics: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not metrics:
+        return
+    steps = [m["step"] for m in metrics]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    ax[0].plot(steps, [m["loss"] for m in metrics], label="loss")
+    ax[0].set_xlabel("step"), ax[0].set_ylabel("weighted CE"), ax[0].set_title("training loss")
+    tw = ax[0].twinx()
+    tw.plot(steps, [m["tau"] for m in metrics], color="tab:orange", label="tau (greedy chain)")
+    tw.set_ylabel("estimated acceptance length")
+    ax[1].plot(steps, [m["lr"] for m in metrics])
+    ax[1].set_xlabel("step"), ax[1].set_title("learning rate")
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    acc = torch.tensor([m["accuracy"] for m in metrics])  # [logs, B-1]
+    for i in sorted({0, 1, 3, 7, acc.shape[1] - 1} & set(range(acc.shape[1]))):
+        ax[0].plot(steps, acc[:, i], label=f"position {i + 1}")
+    ax[0].set_xlabel("step"), ax[0].set_ylabel("top-1 accuracy"), ax[0].legend(), ax[0].set_title("accuracy by depth")
+    ax[1].plot(range(1, acc.shape[1] + 1), acc[-1], marker="o")
+    ax[1].set_xlabel("block position"), ax[1].set_ylim(0, 1), ax[1].set_title(f"accuracy at step {steps[-1]}")
+    fig.tight_layout()
+    fig.savefig(out / "accuracy.png", dpi=100)
+    plt.close(fig)
+
+
+# ---- the loop -----------------------------------------------------------------------------
+def _sequences_for_step(step: int, n: int, per_rank: int, rank: int, world: int, seed: int) -> list[int]:
+    """Epoch-wise shuffled order, a pure function of the step: resuming needs no sampler state."""
+    per_step = per_rank * world
+    first = step * per_step + rank * per_rank
+    out = []
+    for g in range(first, first + per_rank):
+        epoch, i = divmod(g, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        out.append(int(perm[i]))
+    return out
+
+
+def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch.Tensor,
+                  lm_head_weight: torch.Tensor, drafter_config: DFlashConfig | None = None,
+                  train_config: TrainConfig | None = None, init_from: str | Path | None = None,
+                  resume: bool = True, progress: bool = True) -> dict:
+    """Train (or resume) a drafter; writes out_dir/{checkpoint/, drafter/, metrics.json, *.png}.
+
+    drafter_config: shape of a new drafter (ignored with init_from or when resuming).
+    init_from: an existing drafter directory to fine-tune. Returns a small summary dict.
+    """
+    tc = train_config or TrainConfig()
+    out = Path(out_dir)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    main = rank == 0
+
+    data = FeatureDataset(data_dir)
+    ckpt = out / "checkpoint"
+    state = {"step": 0, "metrics": []}
+    if resume and (ckpt / "trainer_state.json").exists():
+        drafter = load_drafter(ckpt, dtype=torch.float32)
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+    elif init_from is not None:
+        drafter = load_drafter(init_from, dtype=torch.float32)
+    else:
+        if drafter_config is None:
+            raise ValueError("train_drafter needs drafter_config, init_from or a checkpoint to resume")
+        torch.manual_seed(tc.seed)
+        drafter = DFlashDrafter(drafter_config).float()
+        with torch.no_grad():
+            if drafter_config.mask_token_id is None:  # start the mask vector at the mean token embedding
+                drafter.mask_embedding.copy_(embed_weight.float().mean(0))
+            if drafter_config.draft_vocab_size:
+                counts = data.token_counts(drafter_config.vocab_size)
+                drafter.set_draft_vocab(counts.argsort(descending=True, stable=True)[:drafter_config.draft_vocab_size])
+    cfg = drafter.config
+    if data.target_layer_ids != cfg.target_layer_ids or data.feature_dim != cfg.context_dim:
+        raise ValueError(f"data has target_layer_ids {data.target_layer_ids} (width {data.feature_dim}); the drafter "
+                         f"expects {cfg.target_layer_ids} (width {cfg.context_dim})")
+    drafter.train()
+    head = drafter.head_weight(lm_head_weight.detach()).float()  # frozen, sliced to the draft vocab once
+    embed = embed_weight.detach()
+    model = BlockForward(drafter, embed)
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    opt = make_optimizer(drafter, tc)
+    if resume and (ckpt / "optimizer.safetensors").exists() and state["step"] > 0:
+        load_optimizer(opt, drafter, ckpt / "optimizer.safetensors")
+
+    metrics: list[dict] = state["metrics"]
+    window = {"loss": 0.0, "n": 0, "correct": 0, "valid": 0, "tau": 0.0, "blocks": 0, "t": 0.0}
+    seen: list[int] = []
+    window_steps = 0
+    bar = tqdm(range(state["step"], tc.steps), initial=state["step"], total=tc.steps,
+               disable=not (main and progress), desc="drafter", dynamic_ncols=True)
+    for step in bar:
+        if tc.stop_at is not None and step >= tc.stop_at:
+            break
+        t0 = time.perf_counter()
+        idx = _sequences_for_step(step, len(data), tc.seqs_per_step, rank, world, tc.seed)
+        seen += idx
+        gen = torch.Generator().manual_seed(tc.seed * 7919 + step * 131 + rank)
+        batch = build_batch([data[i] for i in idx], cfg, tc.blocks_per_seq, gen, tc.loss_decay_gamma, tc.max_context)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, tc)
+        opt.zero_grad(set_to_none=True)
+        if batch is None:  # no usable anchor: a zero-loss dummy block keeps DDP ranks in step
+            loss, correct = model(*_dummy_inputs(cfg)).sum() * 0.0, None
+        else:
+            hidden = model(batch["context_features"].float(), batch["context_positions"], batch["anchor_tokens"],
+                           batch["block_positions"], batch["attn_mask"])
+            loss, correct = block_loss(hidden, batch, head, drafter, tc.ce_chunk_rows)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
+        opt.step()
+        window["t"] += time.perf_counter() - t0
+        window_steps += 1
+        if correct is not None:
+            valid = batch["labels"] >= 0
+            window["loss"] += float(loss.detach())
+            window["n"] += 1
+            window["correct"] += (correct & valid).sum(0)
+            window["valid"] += valid.sum(0)
+            run = (correct & valid).int().cumprod(1).sum(1)  # leading correct drafts per block
+            window["tau"] += float((1 + run).float().sum())
+            window["blocks"] += run.numel()
+        done = step + 1
+        if done % tc.log_every == 0 or done in (tc.steps, tc.stop_at):
+            if world > 1:  # log the mean over all ranks, not rank 0's share
+                window = _all_reduce_window(window, cfg.block_size - 1)
+            if window["n"]:
+                acc = (window["correct"] / window["valid"].clamp(min=1)).tolist()
+                rec = {"step": done, "loss": window["loss"] / window["n"], "accuracy": acc,
+                       "tau": window["tau"] / window["blocks"], "lr": lr_at(step, tc),
+                       "sec_per_step": window["t"] / max(1, window_steps)}
+                metrics.append(rec)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau']:.2f}", acc1=f"{acc[0]:.2f}")
+            window = {"loss": 0.0, "n": 0, "correct": 0, "valid": 0, "tau": 0.0, "blocks": 0, "t": 0.0}
+            window_steps = 0
+        if main and (done % tc.checkpoint_every == 0 or done in (tc.steps, tc.stop_at)):
+            _write_checkpoint(out, drafter, opt, {"step": done, "metrics": metrics, "train_config": asdict(tc),
+                                                  "world_size": world})
+    bar.close()
+    if main:
+        save_drafter(drafter, out / "drafter")
+    if dist.is_initialized():
+        dist.barrier()
+    return {"drafter": drafter, "steps": tc.steps, "rank": rank, "world_size": world, "sequences_seen": seen,
+            "final": metrics[-1] if metrics else None}
+
+
+def _all_reduce_window(w: dict, depth: int) -> dict:
+    flat = torch.cat([torch.tensor([w["loss"], w["n"], w["tau"], w["blocks"], w["t"]], dtype=torch.float64),
+                      torch.as_tensor(w["correct"], dtype=torch.float64).expand(depth),
+                      torch.as_tensor(w["valid"], dtype=torch.float64).expand(depth)])
+    dist.all_reduce(flat)
+    world = dist.get_world_size()
+    return {"loss": float(flat[0]), "n": int(flat[1]), "tau": float(flat[2]), "blocks": int(flat[3]),
+            "t": float(flat[4]) / world, "correct": flat[5:5 + depth], "valid": flat[5 + depth:]}
+
+
+def _dummy_inputs(cfg: DFlashConfig):
+    """A one-block forward with no context, for a rank that drew no usable anchor under DDP."""
+    B = cfg.block_size
+    return (torch.zeros(0, cfg.context_dim), torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+            torch.arange(1, B + 1), torch.ones(B, B, dtype=torch.bool))
+
+
+def _write_checkpoint(out: Path, drafter, opt, state: dict) -> None:
+    """Write to a temporary directory, then swap it in: a crash never leaves a half-written checkpoint."""
+    tmp, final = out / "checkpoint.tmp", out / "checkpoint"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_drafter(drafter, tmp)
+    save_optimizer(opt, drafter, tmp / "optimizer.safetensors")
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1) + "\n")
+    old = out / "checkpoint.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    (out / "metrics.json").write_text(json.dumps(state["metrics"], indent=1) + "\n")
+    save_plots(state["metrics"], out)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Train a DFlash drafter on precomputed target features.")
+    p.add_argument("--data", required=True, help="directory of feature shards (drafttree.drafter.data)")
+    p.add_argument("--out", required=True, help="output directory (checkpoint/, drafter/, metrics.json, plots)")
+    p.add_argument("--target", help="Hugging Face target directory: config.json + safetensors (embedding, LM head)")
+    p.add_argument("--init-from", help="existing drafter directory to fine-tune")
+    p.add_argument("--layers", type=int, default=2, help="draft layers (new drafter)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--draft-vocab", type=int, default=0, help="reduced head: the N most frequent response tokens (0: full)")
+    p.add_argument("--no-resume", action="store_true")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch default)")
+    for f in TrainConfig.__dataclass_fields__.values():
+        if f.name == "betas":
+            continue
+        kind = float if f.type in ("float", float) else int
+        if f.name == "max_context":
+            kind = int
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if not a.target:
+        p.error("--target is required (the embedding and LM head come from the target)")
+    embed, head, target_cfg = load_target_head(a.target)
+    tc = TrainConfig(**{k: getattr(a, k) for k in TrainConfig.__dataclass_fields__ if k != "betas"})
+    data = FeatureDataset(a.data)
+    dcfg = drafter_config_from_target(target_cfg, data.target_layer_ids, a.layers, a.block_size, a.draft_vocab or None)
+    summary = train_drafter(a.data, a.out, embed, head, dcfg, tc, init_from=a.init_from, resume=not a.no_resume)
+    if summary["rank"] == 0 and summary["final"]:
+        print(json.dumps({k: summary["final"][k] for k in ("step", "loss", "tau")}))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

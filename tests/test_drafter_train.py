@@ -1,0 +1,138 @@
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from drafttree.drafter import DFlashConfig, load_drafter
+from drafttree.drafter.data import FeatureDataset, FeatureShardWriter
+from drafttree.drafter.model import DFlashDrafter
+from drafttree.drafter.train import TrainConfig, build_batch, main, train_drafter
+
+V, H, LAYER_IDS = 64, 32, [0, 1, 2]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def synthetic(tmp_path: Path, n_seq=24, T=40):
+    """Counting sequences (next = cur + 1 mod V) with features derived from the tokens, and a tied
+    'target' embedding/head: a drafter can learn block index i -> anchor + i."""
+    g = torch.Generator().manual_seed(0)
+    embed = torch.randn(V, H, generator=g)
+    mix = torch.randn(H, 3 * H, generator=g) / H ** 0.5
+    with FeatureShardWriter(tmp_path / "data", LAYER_IDS, tokens_per_shard=300) as w:
+        for _ in range(n_seq):
+            ids = (torch.randint(0, V, (1,), generator=g) + torch.arange(T)) % V
+            feats = embed[ids] @ mix + 0.1 * torch.randn(T, 3 * H, generator=g)
+            mask = torch.arange(T) >= 8
+            w.add(ids, feats, mask)
+    target = tmp_path / "target"
+    target.mkdir()
+    save_file({"model.embed_tokens.weight": embed}, str(target / "model.safetensors"))
+    (target / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": H, "intermediate_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": V, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "max_position_embeddings": 128, "tie_word_embeddings": True}))
+    return tmp_path / "data", target, embed
+
+
+def tiny_cfg(**kw):
+    base = dict(hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, vocab_size=V, target_layer_ids=LAYER_IDS, block_size=4, rope_theta=10000.0,
+                max_position_embeddings=128, rms_norm_eps=1e-5, num_target_layers=4)
+    base.update(kw)
+    return DFlashConfig(**base)
+
+
+def test_shards_and_batch(tmp_path):
+    data, _, _ = synthetic(tmp_path)
+    ds = FeatureDataset(data)
+    assert len(ds) == 24 and len(ds.files) > 1 and ds.feature_dim == 3 * H and ds.target_layer_ids == LAYER_IDS
+    s = ds[5]
+    assert s["input_ids"].shape == (40,) and s["features"].dtype == torch.bfloat16 and s["loss_mask"][8:].all()
+    b = build_batch([ds[0], ds[1]], tiny_cfg(), 6, torch.Generator().manual_seed(0), gamma=7.0)
+    anchors = b["block_positions"].view(-1, 4)[:, 0]
+    assert anchors.numel() == 12 and (anchors >= 7).all()
+    # labels are the tokens at the same positions a+1..a+B-1, masked past the sequence end
+    ids0 = ds[0]["input_ids"]
+    for j in range(6):
+        a = int(anchors[j])
+        for i in range(1, 4):
+            want = int(ids0[a + i]) if a + i < 40 else -1
+            assert int(b["labels"][j, i - 1]) == want
+    assert torch.allclose(b["weights"][0], torch.exp(-torch.arange(3) / 7.0)) or b["labels"][0].lt(0).any()
+
+
+def test_training_decreases_loss_and_resumes_bit_identically(tmp_path):
+    data, target, embed = synthetic(tmp_path)
+    tc = TrainConfig(steps=40, seqs_per_step=2, blocks_per_seq=6, lr=3e-3, warmup_steps=5, log_every=5,
+                     checkpoint_every=20)
+    res = train_drafter(data, tmp_path / "run", embed, embed, tiny_cfg(), tc, progress=False)
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert m[-1]["loss"] < 0.6 * m[0]["loss"], (m[0]["loss"], m[-1]["loss"])
+    assert m[-1]["tau"] > m[0]["tau"] and len(m[-1]["accuracy"]) == 3
+    assert (tmp_path / "run" / "loss.png").exists() and (tmp_path / "run" / "accuracy.png").exists()
+    final = load_drafter(tmp_path / "run" / "drafter")
+    assert res["final"]["step"] == 40
+
+    # same run through the CLI, interrupted at step 12 and resumed: bit-identical weights
+    args = ["--data", str(data), "--target", str(target), "--out", str(tmp_path / "cli"), "--layers", "2",
+            "--block-size", "4", "--steps", "40", "--seqs-per-step", "2", "--blocks-per-seq", "6", "--lr", "3e-3",
+            "--warmup-steps", "5", "--log-every", "5", "--checkpoint-every", "20"]
+    main(args + ["--stop-at", "12"])
+    assert json.loads((tmp_path / "cli" / "checkpoint" / "trainer_state.json").read_text())["step"] == 12
+    main(args)
+    resumed = load_drafter(tmp_path / "cli" / "drafter")
+    for (n, a), (_, b) in zip(final.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_reduced_draft_vocab_trains(tmp_path):
+    data, _, embed = synthetic(tmp_path)
+    tc = TrainConfig(steps=3, seqs_per_step=2, blocks_per_seq=4, log_every=1)
+    train_drafter(data, tmp_path / "run", embed, embed, tiny_cfg(draft_vocab_size=40), tc, progress=False)
+    d = load_drafter(tmp_path / "run" / "drafter")
+    counts = FeatureDataset(data).token_counts(V)
+    assert set(d.draft_vocab.tolist()) == set(counts.argsort(descending=True, stable=True)[:40].tolist())
+
+
+WORKER = textwrap.dedent("""
+    import json, os, sys, torch
+    from safetensors.torch import save_file
+    sys.path.insert(0, {tests!r})
+    from test_drafter_train import synthetic_paths, tiny_cfg
+    from drafttree.drafter.train import TrainConfig, train_drafter
+    torch.set_num_threads(1)
+    data, embed = synthetic_paths({tmp!r})
+    tc = TrainConfig(steps=4, seqs_per_step=2, blocks_per_seq=4, lr=3e-3, warmup_steps=1, log_every=2)
+    res = train_drafter(data, {out!r}, embed, embed, tiny_cfg(), tc, progress=False)
+    d = {{n: t.contiguous() for n, t in res.pop("drafter").state_dict().items()}}
+    rank = res["rank"]
+    save_file(d, os.path.join({tmp!r}, f"rank{{rank}}.safetensors"))
+    json.dump(res["sequences_seen"], open(os.path.join({tmp!r}, f"seen{{rank}}.json"), "w"))
+""")
+
+
+def synthetic_paths(tmp):
+    from safetensors.torch import load_file as lf
+    return Path(tmp) / "data", lf(str(Path(tmp) / "target" / "model.safetensors"))["model.embed_tokens.weight"]
+
+
+def test_ddp_two_ranks_keep_identical_weights(tmp_path):
+    synthetic(tmp_path)
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(tests=str(Path(__file__).parent), tmp=str(tmp_path), out=str(tmp_path / "out")))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    w0, w1 = load_file(str(tmp_path / "rank0.safetensors")), load_file(str(tmp_path / "rank1.safetensors"))
+    for n in w0:
+        assert torch.equal(w0[n], w1[n]), n
+    init = DFlashDrafter(tiny_cfg()).state_dict()
+    assert not torch.equal(w0["fc.weight"], init["fc.weight"])  # it did train
+    s0, s1 = json.loads((tmp_path / "seen0.json").read_text()), json.loads((tmp_path / "seen1.json").read_text())
+    assert set(s0).isdisjoint(s1)  # the ranks saw different sequences
