@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from drafttree.drafter import DFlashConfig, load_drafter
 from drafttree.drafter.data import FeatureDataset, FeatureShardWriter
 from drafttree.drafter.model import DFlashDrafter
-from drafttree.drafter.train import TrainConfig, build_batch, main, train_drafter
+from drafttree.drafter.train import BlockForward, TrainConfig, build_batch, main, train_drafter
 
 V, H, LAYER_IDS = 64, 32, [0, 1, 2]
 REPO = Path(__file__).resolve().parents[1]
@@ -64,6 +64,40 @@ def test_shards_and_batch(tmp_path):
             want = int(ids0[a + i]) if a + i < 40 else -1
             assert int(b["labels"][j, i - 1]) == want
     assert torch.allclose(b["weights"][0], torch.exp(-torch.arange(3) / 7.0)) or b["labels"][0].lt(0).any()
+
+
+def test_batched_training_forward_equals_inference_path(tmp_path):
+    data, _, embed = synthetic(tmp_path, n_seq=3)
+    ds = FeatureDataset(data)
+    seqs = [ds[0], ds[1], ds[2]]
+    seqs[1] = {k: v[:20] for k, v in seqs[1].items()}  # shorter: padded context, fewer anchors
+    cfg = tiny_cfg()
+    torch.manual_seed(0)
+    d = DFlashDrafter(cfg).double().eval()
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    emb = embed.double()
+    for max_context in (None, 9):
+        b = build_batch(seqs, cfg, 14, torch.Generator().manual_seed(1), 7.0, max_context=max_context)
+        S, Q = b["block_positions"].shape
+        assert S == 3 and Q == 14 * 4
+        with torch.no_grad():
+            hidden = BlockForward(d, emb)(b["context_features"].double(), b["context_positions"], b["anchor_tokens"],
+                                          b["block_positions"], b["attn_mask"]).view(S, 14, 4, H)
+        checked = 0
+        for i, s in enumerate(seqs):
+            for j in range(14):
+                a = int(b["block_positions"][i, 4 * j])
+                if b["weights"].view(S, 14, 3)[i, j].sum() == 0:
+                    continue  # padding block
+                lo = 0 if max_context is None else max(0, a - max_context)
+                d.reset()
+                d.extend_context(s["features"][lo:a].double(), torch.arange(lo, a))
+                one = d.draft(d.block_embeds(s["input_ids"][a], emb), a)
+                assert torch.allclose(hidden[i, j], one, atol=1e-10), (i, j)
+                checked += 1
+        assert checked >= 25
 
 
 def test_training_decreases_loss_and_resumes_bit_identically(tmp_path):

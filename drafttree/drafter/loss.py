@@ -17,13 +17,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         losses = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         preds = torch.zeros(n, dtype=torch.long, device=hidden.device)
         grad = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        w = weight.to(hidden.dtype)
+        w = weight  # the matmuls run in the head's dtype (bf16 is ~4x faster on CPUs with avx512_bf16)
         for s in range(0, n, chunk_rows):
             e = min(n, s + chunk_rows)
             t = targets[s:e]
             valid = t >= 0
             tc = t.clamp(min=0)
-            logits = (hidden[s:e] @ w.t()).float()
+            logits = (hidden[s:e].to(w.dtype) @ w.t()).float()
             rows = torch.arange(e - s, device=hidden.device)
             target_logit = logits[rows, tc]
             mx, preds[s:e] = logits.max(dim=-1)  # the max doubles as the prediction
@@ -34,7 +34,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 p.div_(total[:, None])
                 p[rows, tc] -= 1.0
                 p.mul_(valid[:, None])
-                grad[s:e] = p.to(w.dtype) @ w
+                grad[s:e] = (p.to(w.dtype) @ w).to(grad.dtype)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(preds)
         return losses, preds
@@ -48,7 +48,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          chunk_rows: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row cross-entropy of `hidden @ weight.T` against `targets` (-1 = ignored row, loss 0) and
-    the argmax predictions. hidden [N, H] may require grad; weight [V, H] is treated as frozen."""
+    the argmax predictions. hidden [N, H] may require grad; weight [V, H] is treated as frozen, and its
+    dtype sets the matmul precision (softmax statistics are always fp32)."""
     if weight.requires_grad:
         raise ValueError("linear_cross_entropy treats the LM head as frozen; pass weight.detach()")
     return _LinearCrossEntropy.apply(hidden, weight, targets, chunk_rows)

@@ -95,22 +95,23 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
+    # Shapes: x [..., T, H] (optional leading batch of sequences); cos/sin [..., 1, T, d] (head axis
+    # broadcast); heads come out as [..., heads, T, d].
     def keys_values(self, x, cos, sin):
-        """x [T, H] -> k, v [kv_heads, T, d]; k is k-normed and RoPE'd (context and block alike)."""
-        T = x.shape[0]
-        k = self.k_norm(self.k_proj(x).view(T, self.n_kv, self.head_dim)).transpose(0, 1)
-        v = self.v_proj(x).view(T, self.n_kv, self.head_dim).transpose(0, 1)
+        """k, v [..., kv_heads, T, d]; k is k-normed and RoPE'd (context and block alike)."""
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))).transpose(-3, -2)
+        v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
         return apply_rotary(k, cos, sin), v
 
     def queries(self, x, cos, sin):
-        T = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(T, self.n_heads, self.head_dim)).transpose(0, 1)
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))).transpose(-3, -2)
         return apply_rotary(q, cos, sin)
 
     def attend(self, q, k, v, mask=None):
-        """q [heads, Q, d] against k/v [kv_heads, K, d]; bidirectional unless a boolean mask is given."""
+        """q [..., heads, Q, d] against k/v [..., kv_heads, K, d]; bidirectional unless a boolean mask
+        [..., 1, Q, K] is given. GQA through SDPA (on CPU faster than repeating k/v)."""
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
-        return self.o_proj(out.transpose(0, 1).reshape(q.shape[1], self.n_heads * self.head_dim))
+        return self.o_proj(out.transpose(-3, -2).flatten(-2))
 
 
 class DraftLayer(nn.Module):
@@ -122,11 +123,11 @@ class DraftLayer(nn.Module):
         self.mlp = DraftMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h, cos, sin, ctx_k, ctx_v, mask=None):
-        """h [Q, H] block rows; ctx_k/ctx_v [kv_heads, C, d] already-projected context."""
+        """h [..., Q, H] block rows; ctx_k/ctx_v [..., kv_heads, C, d] already-projected context."""
         x = self.input_layernorm(h)
         q = self.self_attn.queries(x, cos, sin)
         k, v = self.self_attn.keys_values(x, cos, sin)
-        k, v = torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1)
+        k, v = torch.cat([ctx_k, k], dim=-2), torch.cat([ctx_v, v], dim=-2)
         h = h + self.self_attn.attend(q, k, v, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -203,7 +204,7 @@ class DFlashDrafter(nn.Module):
             return
         self._ensure_capacity(self.context_len + n + self.config.block_size)
         ctx = self.fuse_context(features)
-        cos, sin = self.rotary(positions, ctx.dtype)
+        cos, sin = self._rope(positions, ctx.dtype)
         end = self.context_len + n
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.keys_values(ctx, cos, sin)
@@ -227,7 +228,7 @@ class DFlashDrafter(nn.Module):
         self._ensure_capacity(self.context_len + B)
         pos = torch.arange(start_position, start_position + B, device=block_embeds.device)
         h = block_embeds.to(self.fc.weight.dtype)
-        cos, sin = self.rotary(pos, h.dtype)
+        cos, sin = self._rope(pos, h.dtype)
         c, end = self.context_len, self.context_len + B
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -251,13 +252,16 @@ class DFlashDrafter(nn.Module):
         return self._head_cache[1]
 
     def draft_logits(self, hidden: torch.Tensor, lm_head: LMHead) -> torch.Tensor:
-        """Logits [n, V] over the target vocabulary; with a draft vocabulary the other ids get -inf."""
+        """fp32 logits [n, V] over the target vocabulary; with a draft vocabulary the other ids get -inf.
+        A weight tensor is used in its own dtype (the small hidden is cast, never the big head)."""
         if not self.config.draft_vocab_size:
-            return lm_head(hidden) if callable(lm_head) else hidden @ lm_head.t().to(hidden.dtype)
+            if callable(lm_head) and not isinstance(lm_head, torch.Tensor):
+                return lm_head(hidden).float()
+            return (hidden.to(lm_head.dtype) @ lm_head.t()).float()
         if callable(lm_head) and not isinstance(lm_head, torch.Tensor):
             raise TypeError("a reduced draft vocabulary needs the LM head weight tensor, not a callable")
         w = self.head_weight(lm_head)
-        small = hidden @ w.t().to(hidden.dtype)
+        small = (hidden.to(w.dtype) @ w.t()).float()
         out = small.new_full((hidden.shape[0], self.config.vocab_size), float("-inf"))
         return out.index_copy_(1, self.draft_vocab, small)
 
@@ -268,19 +272,26 @@ class DFlashDrafter(nn.Module):
         self.draft_vocab.copy_(ids)
         self._head_cache = None
 
+    def _rope(self, positions, dtype):
+        cos, sin = self.rotary(positions, dtype)
+        return cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over the head axis
+
     # ---- training: many blocks in one forward ---------------------------------------------
     def forward(self, context_features, context_positions, block_embeds, block_positions, attn_mask):
-        """Packed multi-block forward (training; also usable as a reference).
+        """Multi-block forward (training; also a reference for the cached path).
 
-        context_features [C, k*H], context_positions [C]; block_embeds [Q, H] and block_positions [Q]
-        are all blocks' rows concatenated; attn_mask [Q, C + Q] boolean (True = may attend), see
-        `block_attention_mask`. Returns final-normed hidden states [Q, H].
+        context_features [..., C, k*H], context_positions [..., C]; block_embeds [..., Q, H] and
+        block_positions [..., Q] hold all blocks' rows concatenated; attn_mask [..., Q, C + Q] boolean
+        (True = may attend), see `block_attention_mask`. An optional leading axis batches sequences
+        (padded), so attention cost grows with one sequence's context, not all of them.
+        Returns final-normed hidden states [..., Q, H].
         """
         ctx = self.fuse_context(context_features)
         dtype = ctx.dtype
-        ccos, csin = self.rotary(context_positions, dtype)
-        bcos, bsin = self.rotary(block_positions, dtype)
+        ccos, csin = self._rope(context_positions, dtype)
+        bcos, bsin = self._rope(block_positions, dtype)
         h = block_embeds.to(dtype)
+        attn_mask = attn_mask.unsqueeze(-3)
         for layer in self.layers:
             ck, cv = layer.self_attn.keys_values(ctx, ccos, csin)
             h = layer(h, bcos, bsin, ck, cv, attn_mask)

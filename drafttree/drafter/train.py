@@ -49,6 +49,9 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 200
     ce_chunk_rows: int = 128
+    # bf16 for the frozen LM-head matmuls (the dominant cost) and autocast for the drafter body, fp32
+    # master weights and softmax statistics. "auto": on where the CPU has native bf16 (avx512_bf16/AMX).
+    bf16: str = "auto"
     max_context: int | None = None  # clip context to the last N tokens before the anchor (None: all)
     stop_at: int | None = None  # end this run after that step (schedule still spans `steps`): time-sliced jobs
 
@@ -56,44 +59,56 @@ class TrainConfig:
 # ---- batches ------------------------------------------------------------------------------
 def build_batch(seqs: list[dict], cfg: DFlashConfig, blocks_per_seq: int, gen: torch.Generator,
                 gamma: float, max_context: int | None = None) -> dict | None:
-    """Sample anchors and pack all blocks of these sequences into one forward's inputs."""
+    """Sample anchors and lay out one forward's inputs, one row of a leading axis per sequence.
+
+    Sequences are padded to the longest context (masked out) and to the same number of blocks
+    (repeats of the first anchor with zero loss weight). Labels [S*nb, B-1] are the tokens at
+    a+1..a+B-1 (-1 where past the end or outside the response); weights decay with depth.
+    """
     B = cfg.block_size
     depth = torch.arange(1, B)
     pos_weight = torch.exp(-(depth - 1).float() / gamma)
-    ctx_f, ctx_pos, ctx_seq, anchors, bseq, btok, labels, weights = [], [], [], [], [], [], [], []
-    for si, s in enumerate(seqs):
+    picked = []
+    for s in seqs:
         ids, mask = s["input_ids"], s["loss_mask"]
-        T = ids.shape[0]
-        # anchor a is useful when the token it first predicts (a+1) is a response token
-        cand = torch.nonzero(mask[2:], as_tuple=False).flatten() + 1  # a >= 1: at least one context token
-        if cand.numel() == 0:
-            continue
-        a = cand[torch.randperm(cand.numel(), generator=gen)[:blocks_per_seq]].sort().values
-        lo = 0 if max_context is None else max(0, int(a.min()) - max_context)
-        hi = int(a.max())
-        ctx_f.append(s["features"][lo:hi])
-        ctx_pos.append(torch.arange(lo, hi))
-        ctx_seq.append(torch.full((hi - lo,), si))
-        tgt_pos = a[:, None] + depth[None, :]
-        inside = tgt_pos < T
-        tgt_pos = tgt_pos.clamp(max=T - 1)
-        ok = inside & mask[tgt_pos]
-        labels.append(torch.where(ok, ids[tgt_pos], -1))
-        weights.append(ok.float() * pos_weight)
-        anchors.append(a)
-        bseq.append(torch.full((a.numel(),), si))
-        btok.append(ids[a])
-    if not anchors:
+        # anchor a is useful when the token it first predicts (a+1) is a response token; a >= 1 keeps
+        # at least one context token
+        cand = torch.nonzero(mask[2:], as_tuple=False).flatten() + 1
+        if cand.numel():
+            picked.append((s, cand[torch.randperm(cand.numel(), generator=gen)[:blocks_per_seq]].sort().values))
+    if not picked:
         return None
-    anchors, bseq = torch.cat(anchors), torch.cat(bseq)
-    ctx_pos, ctx_seq = torch.cat(ctx_pos), torch.cat(ctx_seq)
-    mask = block_attention_mask(ctx_seq, ctx_pos, bseq, anchors, B)
-    if max_context is not None:  # also hide context older than the window
-        keep = ctx_pos[None, :] >= (anchors[:, None] - max_context)
-        mask[:, :ctx_pos.numel()] &= keep.repeat_interleave(B, dim=0)
-    return {"context_features": torch.cat(ctx_f), "context_positions": ctx_pos, "anchor_tokens": torch.cat(btok),
-            "block_positions": (anchors[:, None] + torch.arange(B)).reshape(-1), "attn_mask": mask,
-            "labels": torch.cat(labels), "weights": torch.cat(weights)}
+    nb = max(a.numel() for _, a in picked)
+    spans = [(0 if max_context is None else max(0, int(a.min()) - max_context), int(a.max())) for _, a in picked]
+    C = max(hi - lo for lo, hi in spans)
+    S, F = len(picked), picked[0][0]["features"].shape[1]
+    feats = torch.zeros(S, C, F, dtype=picked[0][0]["features"].dtype)
+    ctx_pos = torch.zeros(S, C, dtype=torch.long)
+    anchors = torch.zeros(S, nb, dtype=torch.long)
+    masks, labels, weights, tokens = [], [], [], []
+    for i, ((s, a), (lo, hi)) in enumerate(zip(picked, spans)):
+        ids, lmask = s["input_ids"], s["loss_mask"]
+        T, n = ids.shape[0], a.numel()
+        feats[i, :hi - lo] = s["features"][lo:hi]
+        ctx_pos[i, :hi - lo] = torch.arange(lo, hi)
+        real = torch.arange(nb) < n
+        a = torch.cat([a, a[:1].expand(nb - n)])  # padding blocks: copies with no loss
+        anchors[i] = a
+        ctx_seq = torch.where(torch.arange(C) < hi - lo, 0, -1)  # -1: padding, never visible
+        m = block_attention_mask(ctx_seq, ctx_pos[i], torch.zeros(nb, dtype=torch.long), a, B)
+        if max_context is not None:  # also hide context older than the window
+            m[:, :C] &= (ctx_pos[i][None, :] >= (a[:, None] - max_context)).repeat_interleave(B, dim=0)
+        masks.append(m)
+        tgt = a[:, None] + depth[None, :]
+        ok = (tgt < T) & real[:, None]
+        tgt = tgt.clamp(max=T - 1)
+        ok &= lmask[tgt]
+        labels.append(torch.where(ok, ids[tgt], -1))
+        weights.append(ok.float() * pos_weight)
+        tokens.append(ids[a])
+    return {"context_features": feats, "context_positions": ctx_pos, "anchor_tokens": torch.stack(tokens),
+            "block_positions": (anchors[..., None] + torch.arange(B)).reshape(S, nb * B),
+            "attn_mask": torch.stack(masks), "labels": torch.cat(labels), "weights": torch.cat(weights)}
 
 
 class BlockForward(nn.Module):
@@ -105,19 +120,20 @@ class BlockForward(nn.Module):
         self.embed_weight = embed_weight  # plain attribute: not a parameter, not a buffer (never synced)
 
     def forward(self, context_features, context_positions, anchor_tokens, block_positions, attn_mask):
+        """anchor_tokens [..., nb]: builds the blocks [token, mask x (B-1)] and runs the drafter."""
         d = self.drafter
         B, H = d.config.block_size, d.config.hidden_size
         dtype = d.fc.weight.dtype
-        tok = self.embed_weight[anchor_tokens].to(dtype)  # [nb, H]
+        tok = self.embed_weight[anchor_tokens].to(dtype)  # [..., nb, H]
         maskv = d.mask_vector(self.embed_weight).to(dtype)
-        blocks = torch.cat([tok[:, None], maskv.expand(tok.shape[0], B - 1, H)], dim=1).reshape(-1, H)
+        blocks = torch.cat([tok.unsqueeze(-2), maskv.expand(*tok.shape[:-1], B - 1, H)], dim=-2).flatten(-3, -2)
         return d(context_features, context_positions, blocks, block_positions, attn_mask)
 
 
 def block_loss(hidden: torch.Tensor, batch: dict, head: torch.Tensor, drafter: DFlashDrafter, chunk_rows: int):
     """Weighted CE of block rows 1..B-1 (same-position targets). Returns (loss, correct [nb,B-1] bool)."""
     B, H = drafter.config.block_size, drafter.config.hidden_size
-    rows = hidden.view(-1, B, H)[:, 1:].reshape(-1, H)
+    rows = hidden.reshape(-1, B, H)[:, 1:].reshape(-1, H)
     labels, weights = batch["labels"].reshape(-1), batch["weights"].reshape(-1)
     if drafter.config.draft_vocab_size:  # targets outside the draft vocabulary cannot be drafted: no loss
         lookup = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long)
@@ -296,7 +312,9 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
         raise ValueError(f"data has target_layer_ids {data.target_layer_ids} (width {data.feature_dim}); the drafter "
                          f"expects {cfg.target_layer_ids} (width {cfg.context_dim})")
     drafter.train()
-    head = drafter.head_weight(lm_head_weight.detach()).float()  # frozen, sliced to the draft vocab once
+    use_bf16 = _use_bf16(tc.bf16)
+    # frozen, sliced to the draft vocabulary once, in the dtype its matmuls run in
+    head = drafter.head_weight(lm_head_weight.detach()).to(torch.bfloat16 if use_bf16 else torch.float32)
     embed = embed_weight.detach()
     model = BlockForward(drafter, embed)
     if world > 1:
@@ -325,8 +343,9 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
         if batch is None:  # no usable anchor: a zero-loss dummy block keeps DDP ranks in step
             loss, correct = model(*_dummy_inputs(cfg)).sum() * 0.0, None
         else:
-            hidden = model(batch["context_features"].float(), batch["context_positions"], batch["anchor_tokens"],
-                           batch["block_positions"], batch["attn_mask"])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
+                hidden = model(batch["context_features"].float(), batch["context_positions"], batch["anchor_tokens"],
+                               batch["block_positions"], batch["attn_mask"])
             loss, correct = block_loss(hidden, batch, head, drafter, tc.ce_chunk_rows)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
@@ -367,6 +386,14 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
             "final": metrics[-1] if metrics else None}
 
 
+def _use_bf16(setting: str) -> bool:
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"bf16 must be auto, on or off, got {setting!r}")
+    if setting == "auto":
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return setting == "on"
+
+
 def _all_reduce_window(w: dict, depth: int) -> dict:
     flat = torch.cat([torch.tensor([w["loss"], w["n"], w["tau"], w["blocks"], w["t"]], dtype=torch.float64),
                       torch.as_tensor(w["correct"], dtype=torch.float64).expand(depth),
@@ -380,8 +407,8 @@ def _all_reduce_window(w: dict, depth: int) -> dict:
 def _dummy_inputs(cfg: DFlashConfig):
     """A one-block forward with no context, for a rank that drew no usable anchor under DDP."""
     B = cfg.block_size
-    return (torch.zeros(0, cfg.context_dim), torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-            torch.arange(1, B + 1), torch.ones(B, B, dtype=torch.bool))
+    return (torch.zeros(1, 0, cfg.context_dim), torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+            torch.arange(1, B + 1)[None], torch.ones(1, B, B, dtype=torch.bool))
 
 
 def _write_checkpoint(out: Path, drafter, opt, state: dict) -> None:
@@ -415,9 +442,7 @@ def main(argv=None):
     for f in TrainConfig.__dataclass_fields__.values():
         if f.name == "betas":
             continue
-        kind = float if f.type in ("float", float) else int
-        if f.name == "max_context":
-            kind = int
+        kind = {"float": float, "str": str}.get(str(f.type), int)
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
     a = p.parse_args(argv)
     if a.threads:
