@@ -186,14 +186,17 @@ def load_optimizer(opt: torch.optim.Optimizer, drafter: DFlashDrafter, path: Pat
 
 
 # ---- target tensors -----------------------------------------------------------------------
-def load_target_head(target_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Embedding and LM head weights (+ config dict) from a Hugging Face target directory, read
-    straight from its safetensors (tied heads reuse the embedding)."""
-    target_dir = Path(target_dir)
+def load_target_head(target_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict]:
+    """Embedding, LM head and final-norm weights (+ config dict) from a Hugging Face target directory (or an
+    embedded model name such as smollm2-135m-instruct), read straight from its safetensors (tied
+    heads reuse the embedding)."""
+    from drafttree.gguf_convert import EMBEDDED, convert_embedded
+
+    target_dir = convert_embedded(str(target_dir)) if str(target_dir) in EMBEDDED else Path(target_dir)
     cfg = json.loads((target_dir / "config.json").read_text())
     index = target_dir / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
-    embed = head = None
+    embed = head = norm = None
     for f in files:
         with safe_open(str(target_dir / f), framework="pt") as sf:
             for name in sf.keys():
@@ -201,9 +204,11 @@ def load_target_head(target_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor
                     embed = sf.get_tensor(name)
                 elif name == "lm_head.weight" or name.endswith(".lm_head.weight"):
                     head = sf.get_tensor(name)
+                elif name in ("model.norm.weight", "norm.weight", "model.language_model.norm.weight"):
+                    norm = sf.get_tensor(name)
     if embed is None:
         raise ValueError(f"{target_dir}: no *embed_tokens.weight tensor")
-    return embed, head if head is not None else embed, cfg
+    return embed, head if head is not None else embed, norm, cfg
 
 
 def drafter_config_from_target(target_cfg: dict, target_layer_ids: list[int], num_layers: int,
@@ -277,7 +282,8 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
     """Train (or resume) a drafter; writes out_dir/{checkpoint/, drafter/, metrics.json, *.png}.
 
     drafter_config: shape of a new drafter (ignored with init_from or when resuming).
-    init_from: an existing drafter directory to fine-tune. Returns a small summary dict.
+    init_from: an existing drafter directory to fine-tune.
+    Returns a summary dict (the trained `drafter`, `final` metrics, `sequences_seen` by this rank).
     """
     tc = train_config or TrainConfig()
     out = Path(out_dir)
@@ -432,7 +438,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Train a DFlash drafter on precomputed target features.")
     p.add_argument("--data", required=True, help="directory of feature shards (drafttree.drafter.data)")
     p.add_argument("--out", required=True, help="output directory (checkpoint/, drafter/, metrics.json, plots)")
-    p.add_argument("--target", help="Hugging Face target directory: config.json + safetensors (embedding, LM head)")
+    p.add_argument("--target", help="target: Hugging Face directory (config.json + safetensors) or an embedded model name; "
+                   "only its embedding, LM head and shape are read")
     p.add_argument("--init-from", help="existing drafter directory to fine-tune")
     p.add_argument("--layers", type=int, default=2, help="draft layers (new drafter)")
     p.add_argument("--block-size", type=int, default=16)
@@ -449,7 +456,7 @@ def main(argv=None):
         torch.set_num_threads(a.threads)
     if not a.target:
         p.error("--target is required (the embedding and LM head come from the target)")
-    embed, head, target_cfg = load_target_head(a.target)
+    embed, head, _, target_cfg = load_target_head(a.target)
     tc = TrainConfig(**{k: getattr(a, k) for k in TrainConfig.__dataclass_fields__ if k != "betas"})
     data = FeatureDataset(a.data)
     dcfg = drafter_config_from_target(target_cfg, data.target_layer_ids, a.layers, a.block_size, a.draft_vocab or None)
