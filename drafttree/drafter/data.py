@@ -116,9 +116,13 @@ class FeatureDataset:
         return len(self.index)
 
     def _handle(self, fi: int):
-        if fi not in self._handles:  # kept open: each read is a memory-mapped slice
-            self._handles[fi] = safe_open(str(self.files[fi]), framework="pt")
-        return self._handles[fi]
+        """Open shards are kept (reads are memory-mapped slices), at most 64 at a time: a directory may
+        hold thousands of small shards and each open one holds a file descriptor."""
+        h = self._handles.pop(fi, None) or safe_open(str(self.files[fi]), framework="pt")
+        self._handles[fi] = h  # most recently used last
+        if len(self._handles) > 64:
+            self._handles.pop(next(iter(self._handles)))
+        return h
 
     def __getitem__(self, i: int) -> dict:
         fi, a, b = self.index[i]
