@@ -64,6 +64,28 @@ def cmd_bench_runtime(a) -> int:
     return run(a)
 
 
+def cmd_profile(a) -> int:
+    from .profile import run
+
+    return run(a)
+
+
+def cmd_bench(a) -> int:
+    from .bench.methods import run
+
+    return run(a)
+
+
+def cmd_train(a) -> int:
+    if a.what == "drafter":
+        from .drafter.train import main as train_main
+
+        return train_main(a.rest) or 0
+    from .drafter.datagen import main as datagen_main
+
+    return datagen_main(a.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="drafttree", description="Lossless speculative decoding with draft trees")
     sub = p.add_subparsers(dest="command", required=True)
@@ -89,7 +111,38 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--out", default="runs/bench-runtime")
+    b.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or checkpoint directory")
+    b.add_argument("--contexts", default=None, help="forward-cost context lengths, comma-separated (default 256,1024)")
+    b.add_argument("--sizes", default=None, help="forward-cost new-token counts (default 1,2,4,...,128)")
+    b.add_argument("--repeats", type=int, default=None, help="forward-cost repeats per point, median kept (default 7)")
+    b.add_argument("--curve-dtypes", default="bf16,fp32", help="dtypes of the forward-cost curve")
+    b.add_argument("--hf-attn", default="eager", choices=["eager", "sdpa"], help="transformers attention implementation")
+    b.add_argument("--skip-ar", action="store_true", help="only the forward-cost curve")
+    b.add_argument("--skip-curve", action="store_true", help="only the AR comparison")
+    b.add_argument("--quick", action="store_true", help="2 prompts x 32 tokens, context 256, 3 repeats")
     b.set_defaults(func=cmd_bench_runtime)
+
+    pr = sub.add_parser("profile", help="measure verify/draft costs for CaDDTree on this machine")
+    _add_model_args(pr)
+    pr.add_argument("--drafter", default=None)
+    pr.add_argument("--quick", action="store_true", help="a smaller grid (about a minute)")
+    pr.add_argument("--out", default=None, help="cost model JSON (default: the per-machine cache)")
+    pr.set_defaults(func=cmd_profile)
+
+    try:
+        from .bench.methods import add_arguments
+    except ImportError:  # the benchmark module is optional at import time
+        add_arguments = None
+    if add_arguments is not None:
+        bm = sub.add_parser("bench", help="τ, tokens/s and speedup of ar/chain/ddtree/caddtree on prompt sets")
+        add_arguments(bm)
+        bm.set_defaults(func=cmd_bench)
+
+    t = sub.add_parser("train", help="`train data ...` (self-distillation data) or `train drafter ...`; "
+                       "options: see `drafttree train drafter -- --help`")
+    t.add_argument("what", choices=["data", "drafter"])
+    t.add_argument("rest", nargs=argparse.REMAINDER)
+    t.set_defaults(func=cmd_train)
     return p
 
 

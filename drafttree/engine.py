@@ -12,9 +12,10 @@ from typing import Callable
 
 import torch
 
-from .sampling import SamplingParams, next_token
+from .sampling import SamplingParams, next_token, sampling_probs
 from .stats import GenerationStats
 from .target import Target
+from .verify import Acceptance, accept_greedy, accept_sampling
 
 
 @dataclass
@@ -97,6 +98,57 @@ def generate_ar(
         with stats.timed("verify_s"):
             logits = model.forward(token).logits[-1]
             model.commit(first)
+    stats.total_s = time.perf_counter() - t0
+    stats.new_tokens = len(out.tokens)
+    return GenerationResult(out.tokens, stats)
+
+
+def walk_tree(tree, logits: torch.Tensor, sampling: SamplingParams, gen) -> Acceptance:
+    """Greedy: follow the target's argmax; sampling: sample the target at each visited node (lossless)."""
+    if sampling.greedy:
+        return accept_greedy(tree, logits.argmax(-1))
+    return accept_sampling(tree, lambda i: sampling_probs(logits[i], sampling), gen)
+
+
+def generate_speculative(
+    target: Target,
+    prompt_ids,
+    proposer,
+    max_new_tokens: int = 256,
+    sampling: SamplingParams = SamplingParams(),
+    stop_token_ids=None,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> GenerationResult:
+    """Draft a tree, verify it in one target forward, commit the accepted path, repeat."""
+    prompt_ids, model, stops, stats = _start(target, prompt_ids, max_new_tokens, proposer.max_nodes, stop_token_ids,
+                                             proposer.name)
+    gen = None if sampling.greedy else sampling.generator()
+    out = _Emitter(max_new_tokens, stops, on_tokens)
+    if out.done:
+        return GenerationResult(out.tokens, stats)
+    layers = proposer.capture_layers
+    t0 = time.perf_counter()
+    pre = model.prefill(prompt_ids, capture_layers=layers)
+    proposer.begin(prompt_ids, pre.features)  # the drafter's prompt pass counts as prefill, and is reported
+    root = int(next_token(pre.logits[-1], sampling, gen))
+    stats.prefill_s = time.perf_counter() - t0
+    out.add([root])
+    t0 = time.perf_counter()
+    while not out.done:
+        start = model.cache_len
+        with stats.timed("draft_s"):
+            tree = proposer.propose(root, start)
+        with stats.timed("verify_s"):
+            res = model.forward(tree.tokens, tree.positions(start), tree.ancestor_mask, capture_layers=layers)
+            acc = walk_tree(tree, res.logits, sampling, gen)
+            model.commit(acc.nodes)
+        with stats.timed("draft_s"):
+            proposer.observe(tree.tokens[acc.nodes], None if layers == () else res.features[acc.nodes], start)
+        out.add(acc.committed_tokens(tree).tolist())
+        stats.rounds += 1
+        stats.accept_lengths.append(acc.nodes.numel())
+        stats.tree_sizes.append(tree.num_draft_nodes)
+        root = acc.bonus_token
     stats.total_s = time.perf_counter() - t0
     stats.new_tokens = len(out.tokens)
     return GenerationResult(out.tokens, stats)

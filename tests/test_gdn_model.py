@@ -213,3 +213,21 @@ def test_unsupported_config_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="hidden_act"):
         load_target(str(tmp_path))
+
+
+@pytest.mark.parametrize("policy", ["chain", "ddtree", "caddtree"])
+def test_engine_speculative_methods_equal_ar(pair, policy):
+    """Every decoding method of the engine decodes hybrid targets losslessly (fp32 greedy)."""
+    from drafttree.engine import generate_speculative
+    from drafttree.proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy, DFlashProposer
+    from spec_helpers import TargetCopyProposer, random_drafter_for
+    from test_speculative import synthetic_cost_model
+
+    _, target, path = pair
+    make = {"chain": ChainPolicy, "ddtree": lambda: BestFirstPolicy(12),
+            "caddtree": lambda: CostAwarePolicy(synthetic_cost_model(), 32)}[policy]
+    prompt = torch.randint(0, VOCAB, (8,), generator=torch.Generator().manual_seed(5))
+    truth = generate_ar(target, prompt, max_new_tokens=30, stop_token_ids=()).tokens
+    for proposer in (TargetCopyProposer(path, make(), noise=2.0),
+                     DFlashProposer(random_drafter_for(target.model), target.model, make())):
+        assert generate_speculative(target, prompt, proposer, max_new_tokens=30, stop_token_ids=()).tokens == truth

@@ -1,0 +1,93 @@
+"""Decoding methods by name: `ar`, `chain`, `ddtree`, `caddtree` — the one place the CLI, the demo,
+the benchmark and the server turn a method name into a generation call."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .engine import GenerationResult, generate_ar, generate_speculative
+from .gguf_convert import cache_root
+from .sampling import SamplingParams
+from .target import Target
+
+METHODS = ("ar", "chain", "ddtree", "caddtree")
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+SHIPPED_DRAFTERS = {"smollm2-135m-instruct": WEIGHTS_DIR / "smollm2-135m-instruct-dflash"}
+
+
+def default_drafter_path(target: Target) -> Path:
+    path = SHIPPED_DRAFTERS.get(target.name)
+    if path is None or not (path / "config.json").exists():
+        raise FileNotFoundError(f"no drafter ships for {target.name!r}: pass --drafter DIR (a DFlash checkpoint directory)")
+    return path
+
+
+def load_drafter_for(target: Target, path: str | Path | None = None):
+    from .drafter.checkpoint import load_drafter
+
+    drafter = load_drafter(path or default_drafter_path(target), dtype=target.model.dtype)
+    cfg, tcfg = drafter.config, target.model.config
+    if cfg.vocab_size != tcfg.vocab_size or cfg.target_hidden_size != tcfg.hidden_size:
+        raise ValueError(f"drafter (vocab {cfg.vocab_size}, target hidden {cfg.target_hidden_size}) does not fit "
+                         f"target {target.name!r} (vocab {tcfg.vocab_size}, hidden {tcfg.hidden_size})")
+    if max(cfg.target_layer_ids) >= tcfg.num_layers:
+        raise ValueError(f"drafter reads target layers {cfg.target_layer_ids} but the target has {tcfg.num_layers}")
+    return drafter.eval()
+
+
+def cost_model_path(target: Target) -> Path:
+    name = Path(target.name).name
+    return cache_root() / "costmodels" / f"{name}-{str(target.model.dtype).removeprefix('torch.')}-t{torch.get_num_threads()}.json"
+
+
+def load_or_profile_cost_model(target: Target, proposer_factory, quiet: bool = False):
+    """The machine's verify-cost model for this target, profiled (about a minute) on first use."""
+    from .costmodel import VerifyCostModel
+    from .profile import profile_costs
+
+    path = cost_model_path(target)
+    if path.exists():
+        return VerifyCostModel.load(path)
+    if not quiet:
+        print(f"drafttree: no cost model for this machine yet; profiling into {path} (run `drafttree profile` to redo)")
+    model = profile_costs(target, proposer_factory(), quick=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model.save(path)
+    return model
+
+
+def make_proposer(method: str, target: Target, drafter=None, budget: int = 16, cost_model=None, max_tree_nodes: int = 128):
+    from .proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy, DFlashProposer
+
+    if method not in METHODS or method == "ar":
+        raise ValueError(f"unknown speculative method {method!r}: choose from {METHODS[1:]}")
+    drafter = drafter if drafter is not None else load_drafter_for(target)
+    if method == "chain":
+        policy = ChainPolicy()
+    elif method == "ddtree":
+        if budget < 1:
+            raise ValueError(f"--budget must be >= 1, got {budget}")
+        policy = BestFirstPolicy(budget)
+    else:
+        if cost_model is None:
+            cost_model = load_or_profile_cost_model(target, lambda: DFlashProposer(drafter, target.model, ChainPolicy()))
+        policy = CostAwarePolicy(cost_model, max_tree_nodes)
+    return DFlashProposer(drafter, target.model, policy)
+
+
+def generate(method: str, target: Target, prompt_ids, max_new_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
+             proposer=None, on_tokens=None, stop_token_ids=None, **proposer_kwargs) -> GenerationResult:
+    if method == "ar":
+        return generate_ar(target, prompt_ids, max_new_tokens, sampling, stop_token_ids, on_tokens)
+    proposer = proposer or make_proposer(method, target, **proposer_kwargs)
+    return generate_speculative(target, prompt_ids, proposer, max_new_tokens, sampling, stop_token_ids, on_tokens)
+
+
+def generate_with(method: str, target: Target, prompt_ids, args, on_tokens=None) -> GenerationResult:
+    """CLI glue: method options from parsed arguments."""
+    drafter = load_drafter_for(target, getattr(args, "drafter", None))
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    return generate(method, target, prompt_ids, args.max_new_tokens, sampling, on_tokens=on_tokens, drafter=drafter,
+                    budget=getattr(args, "budget", 16))

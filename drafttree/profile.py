@@ -1,0 +1,80 @@
+"""`drafttree profile`: measure this machine's verify cost C_v(n, ℓ) and draft cost C_d for CaDDTree.
+
+The verify measurement is exactly the engine's verify step: one target forward over n tokens with a
+tree mask, the drafter's features captured and logits for every row, on top of ℓ cached tokens.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .costmodel import VerifyCostModel, profile_grid
+from .tree import random_tree
+
+FULL_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 129)
+QUICK_TOKENS = (1, 2, 4, 8, 16, 32, 65)
+FULL_CONTEXTS = (128, 512, 1024, 2048)
+QUICK_CONTEXTS = (128, 1024)
+
+
+def profile_costs(target, proposer, quick: bool = False, repeats: int | None = None, progress: bool = True,
+                  token_counts=None, context_lens=None) -> VerifyCostModel:
+    model = target.model
+    tokens = token_counts or (QUICK_TOKENS if quick else FULL_TOKENS)
+    contexts = context_lens or (QUICK_CONTEXTS if quick else FULL_CONTEXTS)
+    repeats = repeats or (3 if quick else 7)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    model.setup_cache(max(contexts) + max(tokens) + proposer.drafter.config.block_size + 1)
+    prefilled = {"ctx": None}
+
+    def ensure_context(ctx: int) -> None:
+        if prefilled["ctx"] != ctx:  # contexts are the outer loop: one prefill per context length
+            model.reset()
+            ids = torch.randint(0, vocab, (ctx,), generator=gen)
+            out = model.prefill(ids, capture_layers=proposer.capture_layers) if ctx else None
+            if out is not None:
+                proposer.begin(ids, out.features)
+            prefilled["ctx"] = ctx
+
+    def measure_verify(n: int, ctx: int) -> float:
+        ensure_context(ctx)
+        tree = random_tree(n - 1, vocab, "random", gen) if n > 1 else random_tree(0, vocab, "chain", gen)
+        t0 = time.perf_counter()
+        res = model.forward(tree.tokens, tree.positions(ctx), tree.ancestor_mask, capture_layers=proposer.capture_layers)
+        res.logits.argmax(-1)
+        return (time.perf_counter() - t0) * 1e3
+
+    def measure_draft(ctx: int) -> float:
+        ensure_context(ctx)
+        t0 = time.perf_counter()
+        proposer.marginal_logits(int(torch.randint(0, vocab, (1,), generator=gen)), ctx)
+        return (time.perf_counter() - t0) * 1e3
+
+    return profile_grid(measure_verify, tokens, contexts, repeats=repeats, warmup=1,
+                        draft_measure_fn=measure_draft, progress=progress)
+
+
+def run(a) -> int:
+    from pathlib import Path
+
+    from .load import load_target
+    from .methods import cost_model_path, load_drafter_for
+    from .proposers import ChainPolicy, DFlashProposer
+
+    target = load_target(a.model, dtype=a.dtype, threads=a.threads)
+    drafter = load_drafter_for(target, a.drafter)
+    model = profile_costs(target, DFlashProposer(drafter, target.model, ChainPolicy()), quick=a.quick)
+    path = Path(a.out) if a.out else cost_model_path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model.save(path)
+    model.plot(path.with_suffix(".png"), title=f"{target.name} {a.dtype}")
+    print(f"cost model: {path}\nplot: {path.with_suffix('.png')}")
+    meas = model.measurements
+    print("| context | " + " | ".join(f"{n} tok" for n in meas["token_counts"]) + " |")
+    print("|---|" + "---|" * len(meas["token_counts"]))
+    for ctx, row in meas["median_ms"].items():
+        print(f"| {ctx} | " + " | ".join(f"{v:.1f}" for v in row) + " |")
+    print(f"draft: {model.draft_ms:.2f} ms + {model.draft_ms_per_context_token:.4f} ms per context token")
+    return 0

@@ -1,0 +1,86 @@
+"""Proposers: what a speculative round verifies. A DFlash drafter gives per-position marginals;
+a tree policy turns them into a chain, a fixed-budget DDTree or a cost-aware CaDDTree."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .costmodel import VerifyCostModel, build_caddtree
+from .tree import DraftTree, build_best_first_tree, build_chain_tree
+
+
+@dataclass
+class ChainPolicy:
+    """The drafter's argmax at every depth (DFlash's own loop)."""
+
+    name = "chain"
+
+    def max_nodes(self, depth: int) -> int:
+        return depth
+
+    def build(self, root: int, logits: torch.Tensor, context_len: int) -> DraftTree:
+        return build_chain_tree(root, logits.argmax(-1))
+
+
+@dataclass
+class BestFirstPolicy:
+    """DDTree: the `budget` most probable prefixes under the drafter's marginals."""
+
+    budget: int
+    name = "ddtree"
+
+    def max_nodes(self, depth: int) -> int:
+        return self.budget
+
+    def build(self, root: int, logits: torch.Tensor, context_len: int) -> DraftTree:
+        return build_best_first_tree(root, logits.log_softmax(-1), self.budget)
+
+
+@dataclass
+class CostAwarePolicy:
+    """CaDDTree: grow the best-first tree while modelled throughput (1 + Φ)/(C_d + C_v(n, ℓ)) improves."""
+
+    cost_model: VerifyCostModel
+    max_tree_nodes: int = 128
+    name = "caddtree"
+
+    def max_nodes(self, depth: int) -> int:
+        return self.max_tree_nodes
+
+    def build(self, root: int, logits: torch.Tensor, context_len: int) -> DraftTree:
+        tree, _ = build_caddtree(root, logits.log_softmax(-1), self.cost_model, context_len, self.max_tree_nodes)
+        return tree
+
+
+class DFlashProposer:
+    """Drafts with a DFlash drafter whose context K/V grow only by newly committed tokens."""
+
+    def __init__(self, drafter, target_model, policy):
+        self.drafter, self.model, self.policy = drafter, target_model, policy
+        self.capture_layers = tuple(drafter.config.target_layer_ids)
+        self.depth = drafter.config.block_size - 1
+        self.max_nodes = policy.max_nodes(self.depth)
+        self.name = policy.name
+        head = target_model.embed_tokens.weight if target_model.lm_head is None else target_model.lm_head.weight
+        # A reduced draft vocabulary needs the weight; otherwise the target's own head (its dtype) is used.
+        self.lm_head = head if drafter.config.draft_vocab_size else target_model.logits
+
+    def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor) -> None:
+        """Drafter prefill: context K/V of the whole prompt."""
+        self.drafter.reset()
+        self.drafter.extend_context(prompt_features, torch.arange(prompt_features.shape[0]))
+
+    def marginal_logits(self, root: int, start: int) -> torch.Tensor:
+        """[B-1, V] drafter logits for positions start+1 .. start+B-1."""
+        block = self.drafter.block_embeds(root, self.model.embed)
+        hidden = self.drafter.draft(block, start)
+        return self.drafter.draft_logits(hidden[1:], self.lm_head)
+
+    def propose(self, root: int, start: int) -> DraftTree:
+        return self.policy.build(root, self.marginal_logits(root, start), start)
+
+    def observe(self, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor, start: int) -> None:
+        """Append the accepted nodes (root first) to the drafter's context."""
+        n = accepted_features.shape[0]
+        self.drafter.extend_context(accepted_features, torch.arange(start, start + n))

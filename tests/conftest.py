@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from drafttree.datasets import load_prompts
+from drafttree.engine import generate_ar
+
+from tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session", params=["llama", "llama_untied_bias", "qwen3"])
+def tiny_checkpoint(request, tmp_path_factory):
+    """(directory, transformers model) of a tiny random-weight model, saved as safetensors."""
+    path = tmp_path_factory.mktemp(request.param)
+    return path, make_tiny_checkpoint(request.param, path)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real embedded model in fp32, with transformers' model on the same weights as a reference."""
+    from transformers import AutoModelForCausalLM
+
+    from drafttree.gguf_convert import convert_embedded
+    from drafttree.load import load_target
+
+    target = load_target("smollm2-135m-instruct", dtype="float32")
+    ref = AutoModelForCausalLM.from_pretrained(str(convert_embedded("smollm2-135m-instruct")), dtype=torch.float32).eval()
+    return target, ref
+
+
+def real_prompts(n: int) -> list[str]:
+    per = (n + 2) // 3
+    return (load_prompts("gsm8k", per) + load_prompts("humaneval", per) + load_prompts("mtbench", per))[:n]
+
+
+@pytest.fixture(scope="session")
+def ar_outputs(smollm2):
+    """AR greedy replies (64 tokens, stop tokens ignored) to 20 real prompts, shared by the tests below."""
+    target, _ = smollm2
+    return [(target.encode_chat(t), generate_ar(target, target.encode_chat(t), 64, stop_token_ids=()).tokens)
+            for t in real_prompts(20)]
+
+

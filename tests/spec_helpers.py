@@ -1,0 +1,51 @@
+"""Proposers and helpers for testing speculative decoding on tiny models."""
+import torch
+
+from drafttree.drafter.model import DFlashConfig, DFlashDrafter
+from drafttree.load import load_target
+
+
+class TargetCopyProposer:
+    """Drafts with a second copy of the target (plus optional noise): high acceptance, so the tests
+    exercise deep accepted paths, partial acceptance and rejection in every round."""
+
+    capture_layers = ()
+
+    def __init__(self, checkpoint, policy, noise: float = 0.0, seed: int = 0, depth: int = 6):
+        self.copy = load_target(str(checkpoint)).model
+        self.policy, self.noise, self.depth = policy, noise, depth
+        self.max_nodes = policy.max_nodes(depth)
+        self.name = policy.name
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def begin(self, prompt_ids, prompt_features):
+        self.copy.reset()
+        self.copy.setup_cache(512)
+        self.copy.prefill(prompt_ids)
+
+    def propose(self, root, start):
+        rows, tok = [], torch.tensor([root])
+        for _ in range(self.depth):
+            logits = self.copy.forward(tok).logits[0]
+            self.copy.commit(torch.tensor([0]))
+            logits = logits + self.noise * torch.randn(logits.shape, generator=self.gen)
+            rows.append(logits)
+            tok = logits.argmax().view(1)
+        self.copy.cache.truncate(start)
+        return self.policy.build(root, torch.stack(rows), start)
+
+    def observe(self, tokens, features, start):
+        self.copy.forward(tokens)
+        self.copy.commit(torch.arange(tokens.numel()))
+
+
+def random_drafter_for(model, layers=2, block_size=8, seed=0) -> DFlashDrafter:
+    cfg = model.config
+    torch.manual_seed(seed)
+    d = DFlashDrafter(DFlashConfig(hidden_size=cfg.hidden_size, intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   vocab_size=cfg.vocab_size, target_layer_ids=[0, cfg.num_layers - 1],
+                                   num_target_layers=cfg.num_layers, block_size=block_size,
+                                   rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings))
+    d.reset_parameters(std=0.5)
+    return d.eval()

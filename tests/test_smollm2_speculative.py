@@ -1,0 +1,30 @@
+"""Speculative decoding with the shipped drafter on the real model reproduces AR greedy exactly (fp32)."""
+import pytest
+
+from drafttree.costmodel import ConvexCost, VerifyCostModel
+from drafttree.engine import generate_speculative
+from drafttree.methods import SHIPPED_DRAFTERS, load_drafter_for
+from drafttree.proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy, DFlashProposer
+
+pytestmark = pytest.mark.skipif(not (SHIPPED_DRAFTERS["smollm2-135m-instruct"] / "config.json").exists(),
+                                reason="no drafter shipped yet")
+
+
+def cpu_like_cost_model() -> VerifyCostModel:
+    # the shape measured on these machines (tokens -> ms); a fixed model keeps the test deterministic
+    curve = ConvexCost(knots=(1.0, 8.0, 32.0, 128.0), values=(30.0, 40.0, 70.0, 200.0))
+    return VerifyCostModel(context_lens=(0,), curves=(curve,), draft_ms=8.0)
+
+
+@pytest.mark.parametrize("make_policy", [ChainPolicy, lambda: BestFirstPolicy(4), lambda: BestFirstPolicy(32),
+                                         lambda: BestFirstPolicy(256), lambda: CostAwarePolicy(cpu_like_cost_model())],
+                         ids=["chain", "ddtree4", "ddtree32", "ddtree256", "caddtree"])
+def test_speculative_greedy_equals_ar(smollm2, ar_outputs, make_policy):
+    target, _ = smollm2
+    proposer = DFlashProposer(load_drafter_for(target), target.model, make_policy())
+    accepted = 0
+    for ids, ar in ar_outputs:
+        res = generate_speculative(target, ids, proposer, max_new_tokens=64, stop_token_ids=())
+        assert res.tokens == ar
+        accepted += sum(res.stats.accept_lengths) - len(res.stats.accept_lengths)
+    assert accepted > 0  # the drafter is really used
