@@ -1,0 +1,339 @@
+"""`drafttree bench-runtime`: the lean runtime against transformers, and its forward-cost curve.
+
+1. Autoregressive tokens/s of drafttree's `generate_ar` vs transformers' `generate()` (greedy, no
+   compilation, same converted weights), fp32 and bf16, on real chat prompts (gsm8k / humaneval /
+   mtbench in turn). EOS is ignored by both so every run produces exactly `max_new_tokens`; for each
+   prompt the four configurations run back to back (in a rotating order) so machine noise hits all
+   alike. Times are wall clock for the whole call, prefill included, for both libraries.
+2. The forward-cost curve of the runtime: milliseconds of one `forward` over n new tokens (chain
+   mask, logits for every row, as tree verification needs them) on top of a committed context.
+
+Usage: `drafttree bench-runtime [--prompts 5] [--max-new-tokens 256] [--threads 2] [--quick]`.
+Writes results.json, results.md and cost_curve.png under --out.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+PROMPT_SETS = ("gsm8k", "humaneval", "mtbench")
+DTYPE_NAMES = ("float32", "bfloat16")
+SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+CONTEXTS = (256, 1024)
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+def pick_prompts(n: int) -> list[tuple[str, str]]:
+    """(set name, user message) for n prompts, taking the sets in turn (first items of each)."""
+    from ..datasets import load_prompts
+
+    per_set = {name: load_prompts(name, limit=(n + len(PROMPT_SETS) - 1) // len(PROMPT_SETS)) for name in PROMPT_SETS}
+    return [(PROMPT_SETS[k % 3], per_set[PROMPT_SETS[k % 3]][k // 3]) for k in range(n)]
+
+
+# ------------------------------------------------------------------------------------------ AR decoding
+def load_hf(path, dtype: str, attn: str = "eager"):
+    """transformers' own model on a checkpoint directory (the converted weights drafttree loads too)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..load import resolve_dtype
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype), attn_implementation=attn).eval()
+
+
+def run_drafttree_ar(target, ids: torch.Tensor, max_new: int) -> tuple[list[int], float]:
+    from ..engine import generate_ar
+
+    t0 = time.perf_counter()
+    res = generate_ar(target, ids, max_new, stop_token_ids=())
+    return res.tokens, time.perf_counter() - t0
+
+
+def run_hf_ar(model, ids: torch.Tensor, max_new: int) -> tuple[list[int], float]:
+    inp = ids[None]
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new, min_new_tokens=max_new,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, temperature=None, top_p=None, top_k=None)
+    dt = time.perf_counter() - t0
+    return out[0, ids.numel():].tolist(), dt
+
+
+def agree_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def bench_ar(runners: dict[str, tuple[str, object]], prompts: list[torch.Tensor], max_new: int,
+             warmup_tokens: int = 8, progress: bool = True) -> dict:
+    """Interleaved AR timing.
+
+    `runners`: config name -> ("drafttree", Target) or ("transformers", model). Configs are run back
+    to back for each prompt, their order rotated from prompt to prompt. Returns per-config and
+    per-prompt numbers; every run must produce exactly `max_new` tokens.
+    """
+    fns = {"drafttree": run_drafttree_ar, "transformers": run_hf_ar}
+    names = list(runners)
+    for name in names:  # warm-up: allocator, thread pools, first-call paths
+        lib, obj = runners[name]
+        fns[lib](obj, prompts[0], warmup_tokens)
+    per_prompt = []
+    bar = tqdm(total=len(prompts) * len(names), desc="AR tokens/s", unit="run", disable=not progress)
+    for i, ids in enumerate(prompts):
+        row = {"prompt_tokens": int(ids.numel()), "seconds": {}, "tokens": {}}
+        order = names[i % len(names):] + names[:i % len(names)]
+        for name in order:
+            lib, obj = runners[name]
+            bar.set_postfix_str(name)
+            tokens, dt = fns[lib](obj, ids, max_new)
+            if len(tokens) != max_new:
+                raise RuntimeError(f"{name} produced {len(tokens)} tokens instead of {max_new}")
+            row["seconds"][name] = dt
+            row["tokens"][name] = tokens
+            bar.update(1)
+        per_prompt.append(row)
+    bar.close()
+    configs = {}
+    for name in names:
+        secs = [r["seconds"][name] for r in per_prompt]
+        configs[name] = dict(
+            library=runners[name][0], tokens=max_new * len(per_prompt), seconds=sum(secs),
+            tokens_per_s=max_new * len(per_prompt) / sum(secs),
+            median_tokens_per_s=statistics.median(max_new / s for s in secs),
+        )
+    # greedy agreement between the two libraries at the same dtype (fp32 should agree on long prefixes)
+    for row in per_prompt:
+        row["agree_prefix"] = {}
+        for d in DTYPE_NAMES:
+            a, b = f"drafttree-{SHORT[d]}", f"transformers-{SHORT[d]}"
+            if a in row["tokens"] and b in row["tokens"]:
+                row["agree_prefix"][SHORT[d]] = agree_prefix(row["tokens"][a], row["tokens"][b])
+        row.pop("tokens")
+    return dict(max_new_tokens=max_new, configs=configs, per_prompt=per_prompt, ratios=ar_ratios(configs))
+
+
+def ar_ratios(configs: dict) -> dict:
+    out = {}
+    for d in DTYPE_NAMES:
+        a, b = configs.get(f"drafttree-{SHORT[d]}"), configs.get(f"transformers-{SHORT[d]}")
+        if a and b:
+            out[f"drafttree/transformers {SHORT[d]}"] = a["tokens_per_s"] / b["tokens_per_s"]
+
+    def best(lib):
+        cands = [(c["tokens_per_s"], n) for n, c in configs.items() if c["library"] == lib]
+        return max(cands) if cands else None
+
+    bd, bh = best("drafttree"), best("transformers")
+    if bd and bh:
+        out["drafttree/transformers, each at its faster dtype"] = bd[0] / bh[0]
+        out["faster dtype"] = {"drafttree": bd[1].split("-")[1], "transformers": bh[1].split("-")[1]}
+    return out
+
+
+# ------------------------------------------------------------------------------------ forward-cost curve
+def forward_cost_curve(target, contexts=CONTEXTS, sizes=SIZES, repeats: int = 5, warmup: int = 1,
+                       progress: bool = True, seed: int = 0) -> list[dict]:
+    """Median ms of one `forward` over n new tokens (chain mask, logits for all rows) after ctx committed tokens.
+
+    The n = 1 point is the AR decode step (no mask). Nothing is committed between repeats, so every
+    repeat sees the same context. Returns rows {context, tokens, ms, ms_all, ratio_to_1}.
+    """
+    model = target.model
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    model.reset()
+    model.setup_cache(max(contexts) + max(sizes) + 1)
+    rows = []
+    bar = tqdm(total=len(contexts) * len(sizes), desc=f"forward cost {SHORT.get(str(model.dtype)[6:], model.dtype)}",
+               unit="pt", disable=not progress)
+    for ctx in contexts:
+        model.reset()
+        if ctx:
+            model.prefill(torch.randint(0, vocab, (ctx,), generator=gen))
+        base = None
+        for n in sizes:
+            tokens = torch.randint(0, vocab, (n,), generator=gen)
+            mask = None if n == 1 else torch.ones(n, n, dtype=torch.bool).tril_()
+            times = []
+            for r in range(warmup + repeats):
+                t0 = time.perf_counter()
+                out = model.forward(tokens, tree_mask=mask)
+                dt = time.perf_counter() - t0
+                if r >= warmup:
+                    times.append(dt * 1e3)
+            assert out.logits.shape[0] == n
+            model.cache.pending = 0  # discard the scratch rows: the context stays ctx tokens long
+            ms = statistics.median(times)
+            base = ms if n == sizes[0] else base
+            rows.append(dict(context=ctx, tokens=n, ms=ms, ms_all=times, ratio_to_1=ms / base))
+            bar.update(1)
+    bar.close()
+    model.reset()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+def plot_curves(curves: dict[str, list[dict]], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure  # no pyplot: leaves the global backend alone
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    fig = Figure(figsize=(11, 4.2))
+    FigureCanvasAgg(fig)
+    ax_ms, ax_ratio = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for dtype, rows in curves.items():
+        for ctx in sorted({r["context"] for r in rows}):
+            pts = [r for r in rows if r["context"] == ctx]
+            label = f"{dtype}, context {ctx}"
+            style = "-" if dtype == "bf16" else "--"
+            ax_ms.plot([r["tokens"] for r in pts], [r["ms"] for r in pts], style, marker="o", label=label)
+            ax_ratio.plot([r["tokens"] for r in pts], [r["ratio_to_1"] for r in pts], style, marker="o", label=label)
+    sizes = sorted({r["tokens"] for rows in curves.values() for r in rows})
+    for ax, ylabel in ((ax_ms, "ms per forward"), (ax_ratio, "cost / cost of 1 token")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("new tokens per forward (chain mask, logits for all rows)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_ms.set_title("forward cost")
+    ax_ratio.set_title("relative to one token")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def markdown(results: dict) -> str:
+    lines = [f"# bench-runtime: {results['model']}", "",
+             f"{results['timestamp']} · {results['threads']} threads · torch {results['torch']} · "
+             f"transformers {results['transformers']} · {results['cpu']}", ""]
+    ar = results.get("ar")
+    if ar:
+        lines += [f"## AR decoding: {len(ar['per_prompt'])} prompts × {ar['max_new_tokens']} new tokens "
+                  f"(greedy, EOS ignored, wall clock incl. prefill; transformers attention: {results['hf_attn']})", "",
+                  "| config | tokens/s (total) | median tokens/s per prompt | ms/token |", "|---|---:|---:|---:|"]
+        for name, c in ar["configs"].items():
+            lines.append(f"| {name} | {c['tokens_per_s']:.1f} | {c['median_tokens_per_s']:.1f} | {1e3 / c['tokens_per_s']:.2f} |")
+        lines += ["", "| ratio | value |", "|---|---:|"]
+        for k, v in ar["ratios"].items():
+            shown = ", ".join(f"{lib} {d}" for lib, d in v.items()) if isinstance(v, dict) else f"{v:.2f}×"
+            lines.append(f"| {k} | {shown} |")
+        lines += ["", "Per prompt (seconds; `agree` = greedy tokens identical between the libraries before the first difference):", ""]
+        names = list(ar["configs"])
+        lines += ["| # | set | prompt tokens | " + " | ".join(names) + " | agree fp32 | agree bf16 |",
+                  "|---|---|---:|" + "---:|" * (len(names) + 2)]
+        for i, row in enumerate(ar["per_prompt"]):
+            secs = " | ".join(f"{row['seconds'][n]:.2f}" for n in names)
+            ag = row["agree_prefix"]
+            lines.append(f"| {i} | {row.get('set', '')} | {row['prompt_tokens']} | {secs} | {ag.get('fp32', '')} | {ag.get('bf16', '')} |")
+        lines.append("")
+    curves = results.get("curves")
+    if curves:
+        lines += [f"## Forward cost of the runtime (median of {results['repeats']} repeats; chain mask, logits for all rows)", ""]
+        contexts = sorted({r["context"] for rows in curves.values() for r in rows})
+        head = [f"{d} ctx {c}" for d in curves for c in contexts]
+        lines += ["| new tokens | " + " | ".join(f"{h} ms | ×1" for h in head) + " |",
+                  "|---:|" + "---:|---:|" * len(head)]
+        sizes = sorted({r["tokens"] for rows in curves.values() for r in rows})
+        for n in sizes:
+            cells = []
+            for d, rows in curves.items():
+                for c in contexts:
+                    r = next((r for r in rows if r["context"] == c and r["tokens"] == n), None)
+                    cells.append(f"{r['ms']:.2f} | {r['ratio_to_1']:.2f}" if r else " | ")
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        lines += ["", "![cost curves](cost_curve.png)", ""]
+    return "\n".join(lines)
+
+
+def write_outputs(results: dict, out_dir) -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "md": out / "results.md"}
+    paths["json"].write_text(json.dumps(results, indent=2))
+    if results.get("curves"):
+        paths["png"] = out / "cost_curve.png"
+        plot_curves(results["curves"], paths["png"])
+    paths["md"].write_text(markdown(results))
+    return paths
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _ints(s) -> tuple[int, ...]:
+    return tuple(int(x) for x in str(s).split(",") if x.strip())
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def run(args) -> int:
+    import transformers
+
+    from ..gguf_convert import EMBEDDED, convert_embedded
+    from ..load import load_target
+
+    model_name = getattr(args, "model", None) or "smollm2-135m-instruct"
+    quick = getattr(args, "quick", False)
+    n_prompts = 2 if quick and args.prompts == 5 else args.prompts
+    max_new = 32 if quick and args.max_new_tokens == 256 else args.max_new_tokens
+    contexts = _ints(getattr(args, "contexts", None) or ("256" if quick else "256,1024"))
+    sizes = _ints(getattr(args, "sizes", None) or ",".join(map(str, SIZES)))
+    repeats = getattr(args, "repeats", None) or (3 if quick else 7)
+    curve_dtypes = [d for d in (getattr(args, "curve_dtypes", None) or "bf16,fp32").split(",") if d]
+    hf_attn = getattr(args, "hf_attn", None) or "eager"
+    skip_ar, skip_curve = getattr(args, "skip_ar", False), getattr(args, "skip_curve", False)
+    threads = args.threads
+    torch.set_num_threads(threads)
+    path = convert_embedded(model_name) if model_name in EMBEDDED else Path(model_name)
+
+    targets = {d: load_target(str(path) if model_name not in EMBEDDED else model_name, dtype=d, threads=threads)
+               for d in DTYPE_NAMES}
+    results = dict(model=model_name, checkpoint=str(path), threads=threads, torch=torch.__version__,
+                   transformers=transformers.__version__, cpu=_cpu_name(), hf_attn=hf_attn, repeats=repeats,
+                   timestamp=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                   omp_num_threads=os.environ.get("OMP_NUM_THREADS"), quick=bool(quick))
+    if not skip_ar:
+        chosen = pick_prompts(n_prompts)
+        prompt_ids = [targets["float32"].encode_chat(text) for _, text in chosen]
+        runners = {}
+        for d in DTYPE_NAMES:
+            runners[f"drafttree-{SHORT[d]}"] = ("drafttree", targets[d])
+            runners[f"transformers-{SHORT[d]}"] = ("transformers", load_hf(path, d, hf_attn))
+        torch.set_num_threads(threads)
+        ar = bench_ar(runners, prompt_ids, max_new)
+        for row, (name, _) in zip(ar["per_prompt"], chosen):
+            row["set"] = name
+        results["ar"] = ar
+        del runners
+    if not skip_curve:
+        results["curves"] = {}
+        for d in curve_dtypes:
+            full = {"bf16": "bfloat16", "fp32": "float32"}.get(d, d)
+            results["curves"][SHORT[full]] = forward_cost_curve(targets[full], contexts, sizes, repeats=repeats)
+    paths = write_outputs(results, args.out)
+    print(markdown(results))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
