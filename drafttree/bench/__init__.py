@@ -1,0 +1,1 @@
+"""Benchmarks: `drafttree bench` (decoding methods side by side) and friends."""

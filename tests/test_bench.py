@@ -1,0 +1,112 @@
+"""`drafttree bench`: every method side by side on a tiny random llama with a random DFlash drafter."""
+import argparse
+import json
+
+import pytest
+import torch
+
+from drafttree.bench.methods import add_arguments, benchmark, markdown_report, mismatch_lines, parse_variants
+from drafttree.costmodel import ConvexCost, VerifyCostModel
+from drafttree.load import load_target
+from drafttree.proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy
+from drafttree.sampling import SamplingParams
+from spec_helpers import TargetCopyProposer, random_drafter_for
+from tiny_models import make_tiny_checkpoint
+
+
+def synthetic_cost_model() -> VerifyCostModel:
+    # as in test_speculative: convex in verified tokens, flat-ish first, then linear
+    return VerifyCostModel(context_lens=(0,), curves=(ConvexCost(knots=(1.0, 8.0, 64.0), values=(10.0, 12.0, 40.0)),),
+                           draft_ms=3.0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench-llama")
+    make_tiny_checkpoint("llama", path)
+    target = load_target(str(path))
+    torch.set_num_threads(1)  # tiny matmuls: threads only add sync stalls (load_target sets all cores)
+    return target, random_drafter_for(target.model), path
+
+
+def token_prompts(n, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+def test_parse_variants():
+    names = [v.name for v in parse_variants("ddtree,caddtree,chain", "4,16")]
+    assert names == ["ar", "ddtree-4", "ddtree-16", "caddtree", "chain"]
+    with pytest.raises(ValueError):
+        parse_variants("ar,beam", "4")
+    with pytest.raises(ValueError):
+        parse_variants("ddtree", "0")
+
+
+def test_arguments():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    a = p.parse_args(["--budgets", "4,8", "--datasets", "gsm8k", "--limit", "2", "--drafter", "d", "--out", "o"])
+    assert (a.budgets, a.datasets, a.limit, a.drafter, a.out, a.temperature) == ("4,8", "gsm8k", 2, "d", "o", 0.0)
+    assert p.parse_args(["--budget", "32"]).budgets == "32"
+
+
+def test_bench_greedy_writes_reports_and_is_lossless(tiny, tmp_path):
+    target, drafter, _ = tiny
+    vocab = target.model.config.vocab_size
+    prompts = {"setA": token_prompts(2, vocab, 0), "setB": token_prompts(2, vocab, 1)}
+    res = benchmark(target, prompts, ["ar", "chain", "ddtree", "caddtree"], drafter=drafter, budgets=(4, 16),
+                    max_new_tokens=24, cost_model=synthetic_cost_model(), max_tree_nodes=32, stop_token_ids=(),
+                    out_dir=tmp_path, progress=False, config=dict(model="tiny-llama"))
+    names = ["ar", "chain", "ddtree-4", "ddtree-16", "caddtree"]
+    for f in ["results.json", "results.md", "records.jsonl", "tau_vs_budget.png", "tokens_per_s_vs_budget.png",
+              "speedup_vs_budget.png", "accept_lengths.png", "caddtree_tree_sizes.png"]:
+        assert (tmp_path / f).stat().st_size > 0, f
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert len(saved["records"]) == 4 * len(names)
+    assert set(saved["aggregates"]) == {"setA", "setB"}
+    for ds, rows in saved["aggregates"].items():
+        assert list(rows) == names
+        assert rows["ar"]["speedup"] == pytest.approx(1.0) and rows["ar"]["tau"] == 1.0
+        for name in names[1:]:
+            r = rows[name]
+            assert r["mismatches"] == 0 and r["checked"] == 2
+            assert r["new_tokens"] == 2 * 24 and r["tau"] >= 1.0 and r["speedup"] > 0
+            assert r["draft_s"] + r["verify_s"] + r["other_s"] == pytest.approx(r["decode_s"], rel=1e-3, abs=1e-3)
+            assert r["mean_tree_size"] > 0
+        assert rows["ddtree-4"]["mean_tree_size"] <= 4
+        assert rows["caddtree"]["mean_tree_size"] <= 32
+    mean = saved["mean_over_datasets"]
+    assert all(mean[n]["mismatches"] == 0 and mean[n]["checked"] == 4 for n in names[1:])
+    md = (tmp_path / "results.md").read_text()
+    assert "## setA" in md and "## setB" in md and "## mean over datasets" in md and "| ddtree-16 |" in md
+    assert all("0/4" in line for line in mismatch_lines(res))
+    assert md == markdown_report(res)
+
+
+def test_bench_sampling_skips_lossless_check(tiny):
+    target, drafter, _ = tiny
+    prompts = {"setA": token_prompts(1, target.model.config.vocab_size, 2)}
+    res = benchmark(target, prompts, ["chain", "ddtree"], drafter=drafter, budgets=(8,), max_new_tokens=12,
+                    sampling=SamplingParams(temperature=1.0, seed=3), stop_token_ids=(), progress=False, warmup_tokens=0)
+    rows = res["aggregates"]["setA"]
+    assert list(rows) == ["ar", "chain", "ddtree-8"]
+    assert all(r["checked"] == 0 and r["mismatches"] == 0 for r in rows.values())
+    assert all(r["matches_ar"] is None for r in res["records"])
+    assert "skipped" in mismatch_lines(res)[0]
+
+
+def test_bench_deep_acceptance_is_lossless(tiny):
+    """Drafts from a noisy copy of the target: long accepted paths and rejections, still AR's tokens exactly."""
+    target, _, path = tiny
+    prompts = {"setA": token_prompts(2, target.model.config.vocab_size, 4)}
+    proposers = {"chain": TargetCopyProposer(path, ChainPolicy(), noise=1.0),
+                 "ddtree-8": TargetCopyProposer(path, BestFirstPolicy(8), noise=1.0),
+                 "caddtree": TargetCopyProposer(path, CostAwarePolicy(synthetic_cost_model(), 32), noise=1.0)}
+    torch.set_num_threads(1)  # the copies' load_target set all cores
+    res = benchmark(target, prompts, ["chain", "ddtree", "caddtree"], budgets=(8,), max_new_tokens=30,
+                    stop_token_ids=(), progress=False, warmup_tokens=0, proposers=proposers)
+    rows = res["aggregates"]["setA"]
+    assert all(rows[n]["mismatches"] == 0 and rows[n]["checked"] == 2 for n in proposers)
+    assert rows["ddtree-8"]["tau"] > 1.5
+    assert max(a for r in res["records"] if r["method"] == "ddtree-8" for a in r["accept_lengths"]) > 2
