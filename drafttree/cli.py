@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job on the embedded default model")
     _add_model_args(d)
     d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--method", default="caddtree", choices=["ar", "chain", "ddtree", "caddtree"])
+    d.add_argument("--budget", type=int, default=16)
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench-runtime", help="AR tokens/s vs transformers, and the forward-cost curve")

@@ -44,7 +44,7 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "f
 
     from .model.weights import read_safetensors_dir
 
-    torch.set_num_threads(threads or os.cpu_count() or 1)
+    torch.set_num_threads(threads or int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)
     torch_dtype = resolve_dtype(dtype)
     if name_or_path in EMBEDDED:
         path = convert_embedded(name_or_path)

@@ -113,11 +113,12 @@ def main(argv=None) -> int:
     ap.add_argument("--sampled-fraction", type=float, default=0.25, help="share of prompts answered at T=0.8")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     a = ap.parse_args(argv)
 
     from ..load import load_target
 
-    target = load_target(a.model, dtype=a.dtype)
+    target = load_target(a.model, dtype=a.dtype, threads=a.threads)
     layers = tuple(int(x) for x in a.layers.split(","))
     prompts = (gsm8k_train_prompts(a.gsm8k) if a.gsm8k else []) + stdlib_code_prompts(a.code, a.seed)
     random.Random(a.seed).shuffle(prompts)
