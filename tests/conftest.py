@@ -1,3 +1,9 @@
+import os
+
+# Tiny models run fastest on one thread (and do not fight other processes for cores); the real-model
+# tests below switch to every core.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 import torch
 
@@ -5,6 +11,12 @@ from drafttree.datasets import load_prompts
 from drafttree.engine import generate_ar
 
 from tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def _threads(request):
+    real = any(name in request.fixturenames for name in ("smollm2", "ar_outputs"))
+    torch.set_num_threads(os.cpu_count() if real else int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session", params=["llama", "llama_untied_bias", "qwen3"])
