@@ -34,7 +34,7 @@ def smollm2():
     from drafttree.gguf_convert import convert_embedded
     from drafttree.load import load_target
 
-    target = load_target("smollm2-135m-instruct", dtype="float32")
+    target = load_target("smollm2-135m-instruct", dtype="float32", threads=os.cpu_count())
     ref = AutoModelForCausalLM.from_pretrained(str(convert_embedded("smollm2-135m-instruct")), dtype=torch.float32).eval()
     return target, ref
 
