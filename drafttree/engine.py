@@ -137,7 +137,9 @@ def generate_speculative(
     while not out.done:
         start = model.cache_len
         with stats.timed("draft_s"):
-            tree = proposer.propose(root, start)
+            drafted = proposer.draft(root, start)
+        with stats.timed("tree_s"):
+            tree = proposer.build_tree(root, drafted, start)
         with stats.timed("verify_s"):
             res = model.forward(tree.tokens, tree.positions(start), tree.ancestor_mask, capture_layers=layers)
             acc = walk_tree(tree, res.logits, sampling, gen)

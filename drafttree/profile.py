@@ -49,7 +49,7 @@ def profile_costs(target, proposer, quick: bool = False, repeats: int | None = N
     def measure_draft(ctx: int) -> float:
         ensure_context(ctx)
         t0 = time.perf_counter()
-        proposer.marginal_logits(int(torch.randint(0, vocab, (1,), generator=gen)), ctx)
+        proposer.draft(int(torch.randint(0, vocab, (1,), generator=gen)), ctx)
         return (time.perf_counter() - t0) * 1e3
 
     return profile_grid(measure_verify, tokens, contexts, repeats=repeats, warmup=1,

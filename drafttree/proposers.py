@@ -71,14 +71,14 @@ class DFlashProposer:
         self.drafter.reset()
         self.drafter.extend_context(prompt_features, torch.arange(prompt_features.shape[0]))
 
-    def marginal_logits(self, root: int, start: int) -> torch.Tensor:
+    def draft(self, root: int, start: int) -> torch.Tensor:
         """[B-1, V] drafter logits for positions start+1 .. start+B-1."""
         block = self.drafter.block_embeds(root, self.model.embed)
         hidden = self.drafter.draft(block, start)
         return self.drafter.draft_logits(hidden[1:], self.lm_head)
 
-    def propose(self, root: int, start: int) -> DraftTree:
-        return self.policy.build(root, self.marginal_logits(root, start), start)
+    def build_tree(self, root: int, logits: torch.Tensor, start: int) -> DraftTree:
+        return self.policy.build(root, logits, start)
 
     def observe(self, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor, start: int) -> None:
         """Append the accepted nodes (root first) to the drafter's context."""

@@ -15,7 +15,8 @@ class GenerationStats:
     accept_lengths: list[int] = field(default_factory=list)  # accepted draft tokens + 1 (the bonus), per round
     tree_sizes: list[int] = field(default_factory=list)  # draft nodes verified per round (root excluded)
     prefill_s: float = 0.0
-    draft_s: float = 0.0
+    draft_s: float = 0.0  # drafter forwards and context updates
+    tree_s: float = 0.0  # building the draft tree from the drafter's output
     verify_s: float = 0.0
     total_s: float = 0.0  # decode time after prefill
 
@@ -25,7 +26,7 @@ class GenerationStats:
 
     @property
     def other_s(self) -> float:
-        return max(0.0, self.total_s - self.draft_s - self.verify_s)
+        return max(0.0, self.total_s - self.draft_s - self.tree_s - self.verify_s)
 
     @property
     def tokens_per_s(self) -> float:
@@ -43,7 +44,7 @@ class GenerationStats:
         return dict(
             method=self.method, prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens, rounds=self.rounds,
             tau=round(self.tau, 3), tokens_per_s=round(self.tokens_per_s, 2), prefill_s=round(self.prefill_s, 4),
-            draft_s=round(self.draft_s, 4), verify_s=round(self.verify_s, 4), other_s=round(self.other_s, 4),
+            draft_s=round(self.draft_s, 4), tree_s=round(self.tree_s, 4), verify_s=round(self.verify_s, 4), other_s=round(self.other_s, 4),
             total_s=round(self.total_s, 4),
             mean_tree_size=round(sum(self.tree_sizes) / max(1, len(self.tree_sizes)), 2),
         )
@@ -51,5 +52,5 @@ class GenerationStats:
     def line(self) -> str:
         return (f"[{self.method}] {self.new_tokens} tokens in {self.total_s:.2f}s = {self.tokens_per_s:.1f} tok/s"
                 f" | τ {self.tau:.2f} over {self.rounds} rounds"
-                f" | draft {self.draft_s:.2f}s verify {self.verify_s:.2f}s other {self.other_s:.2f}s"
+                f" | draft {self.draft_s:.2f}s tree {self.tree_s:.3f}s verify {self.verify_s:.2f}s other {self.other_s:.2f}s"
                 f" | prefill {self.prefill_s:.2f}s")

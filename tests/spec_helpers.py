@@ -23,7 +23,7 @@ class TargetCopyProposer:
         self.copy.setup_cache(512)
         self.copy.prefill(prompt_ids)
 
-    def propose(self, root, start):
+    def draft(self, root, start):
         rows, tok = [], torch.tensor([root])
         for _ in range(self.depth):
             logits = self.copy.forward(tok).logits[0]
@@ -32,7 +32,10 @@ class TargetCopyProposer:
             rows.append(logits)
             tok = logits.argmax().view(1)
         self.copy.cache.truncate(start)
-        return self.policy.build(root, torch.stack(rows), start)
+        return torch.stack(rows)
+
+    def build_tree(self, root, logits, start):
+        return self.policy.build(root, logits, start)
 
     def observe(self, tokens, features, start):
         self.copy.forward(tokens)

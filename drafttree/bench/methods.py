@@ -207,7 +207,7 @@ def aggregate(recs: list[dict], variant: Variant, ar_recs: list[dict]) -> dict:
     tps = n_tokens / decode_s if decode_s > 0 else 0.0
     ar_tokens, ar_s = sum(r["new_tokens"] for r in ar_recs), sum(r["total_s"] for r in ar_recs)
     ar_tps = ar_tokens / ar_s if ar_s > 0 else 0.0
-    split = {k: sum(r[k] for r in recs) for k in ("draft_s", "verify_s", "other_s", "prefill_s")}
+    split = {k: sum(r[k] for r in recs) for k in ("draft_s", "tree_s", "verify_s", "other_s", "prefill_s")}
     checked = [r for r in recs if r["matches_ar"] is not None]
     return dict(
         method=variant.name, kind=variant.method, budget=variant.budget, prompts=len(recs), new_tokens=n_tokens,
@@ -217,6 +217,7 @@ def aggregate(recs: list[dict], variant: Variant, ar_recs: list[dict]) -> dict:
         tokens_per_s=tps, speedup=tps / ar_tps if ar_tps > 0 else None,
         decode_s=decode_s, **split,
         draft_frac=split["draft_s"] / decode_s if decode_s > 0 else 0.0,
+        tree_frac=split["tree_s"] / decode_s if decode_s > 0 else 0.0,
         verify_frac=split["verify_s"] / decode_s if decode_s > 0 else 0.0,
         other_frac=split["other_s"] / decode_s if decode_s > 0 else 0.0,
         mean_tree_size=sum(sum(r["tree_sizes"]) for r in recs) / tree_rounds if tree_rounds else None,
@@ -237,7 +238,7 @@ def mean_over_datasets(aggregates: dict, variants: list[Variant]) -> dict:
 
         out[v.name] = dict(method=v.name, kind=v.method, budget=v.budget, datasets=len(rows),
                            prompts=sum(r["prompts"] for r in rows), new_tokens=sum(r["new_tokens"] for r in rows),
-                           **{k: mean(k) for k in ("tau", "tau_pooled", "tokens_per_s", "speedup", "draft_frac",
+                           **{k: mean(k) for k in ("tau", "tau_pooled", "tokens_per_s", "speedup", "draft_frac", "tree_frac",
                                                    "verify_frac", "other_frac", "mean_tree_size", "draft_s", "verify_s",
                                                    "other_s", "prefill_s", "decode_s")},
                            checked=sum(r["checked"] for r in rows), mismatches=sum(r["mismatches"] for r in rows))
@@ -252,14 +253,15 @@ def _fmt(x, spec: str, none: str = "–") -> str:
 
 
 def markdown_table(rows: dict, greedy: bool) -> str:
-    head = ("| method | τ | tok/s | speedup | mean tree | draft | verify | other | decode s | prefill s | mismatches |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    head = ("| method | τ | tok/s | speedup | mean tree | draft | tree | verify | other | decode s | prefill s | mismatches |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows.values():
         mism = (f"{r['mismatches']}/{r['checked']}" if r["kind"] != "ar" else "ref") if greedy else "n/a"
         lines.append(f"| {r['method']} | {_fmt(r['tau'], '.2f')} | {_fmt(r['tokens_per_s'], '.1f')} | "
                      f"{_fmt(r['speedup'], '.2f')}× | {_fmt(r['mean_tree_size'], '.1f')} | "
-                     f"{_fmt(r['draft_frac'], '.0%')} | {_fmt(r['verify_frac'], '.0%')} | {_fmt(r['other_frac'], '.0%')} | "
+                     f"{_fmt(r['draft_frac'], '.0%')} | {_fmt(r['tree_frac'], '.1%')} | {_fmt(r['verify_frac'], '.0%')} | "
+                     f"{_fmt(r['other_frac'], '.0%')} | "
                      f"{_fmt(r['decode_s'], '.2f')} | {_fmt(r['prefill_s'], '.2f')} | {mism} |")
     return "\n".join(lines)
 
