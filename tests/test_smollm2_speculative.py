@@ -12,13 +12,13 @@ pytestmark = pytest.mark.skipif(not (SHIPPED_DRAFTERS["smollm2-135m-instruct"] /
 
 def cpu_like_cost_model() -> VerifyCostModel:
     # the shape measured on these machines (tokens -> ms); a fixed model keeps the test deterministic
-    curve = ConvexCost(knots=(1.0, 8.0, 32.0, 128.0), values=(30.0, 40.0, 70.0, 200.0))
+    curve = ConvexCost(knots=(1.0, 8.0, 32.0, 128.0), values=(30.0, 36.0, 66.0, 200.0))
     return VerifyCostModel(context_lens=(0,), curves=(curve,), draft_ms=8.0)
 
 
 @pytest.mark.parametrize("make_policy", [ChainPolicy, lambda: BestFirstPolicy(4), lambda: BestFirstPolicy(32),
-                                         lambda: BestFirstPolicy(256), lambda: CostAwarePolicy(cpu_like_cost_model())],
-                         ids=["chain", "ddtree4", "ddtree32", "ddtree256", "caddtree"])
+                                         lambda: BestFirstPolicy(64), lambda: CostAwarePolicy(cpu_like_cost_model())],
+                         ids=["chain", "ddtree4", "ddtree32", "ddtree64", "caddtree"])
 def test_speculative_greedy_equals_ar(smollm2, ar_outputs, make_policy):
     target, _ = smollm2
     proposer = DFlashProposer(load_drafter_for(target), target.model, make_policy())

@@ -20,6 +20,7 @@ POLICIES = {
     "ddtree4": lambda: BestFirstPolicy(4),
     "ddtree16": lambda: BestFirstPolicy(16),
     "ddtree64": lambda: BestFirstPolicy(64),
+    "ddtree256": lambda: BestFirstPolicy(256),
     "caddtree": lambda: CostAwarePolicy(synthetic_cost_model(), max_tree_nodes=64),
 }
 
