@@ -17,7 +17,7 @@ from drafttree.ops.gdn.tree import check_ancestor_mask, parents_from_mask
 from .gdn_layer import GatedDeltaNet, TreeInfo
 from .hybrid_blocks import GatedAttention, SparseMoE, ZeroCenteredRMSNorm
 from .hybrid_config import HybridConfig
-from .kv_cache import KVCache
+from .kv_cache import KVCache, check_room
 from .layers import RotaryTable, SwiGLU
 from .transformer import ForwardOutput, additive_mask
 
@@ -123,11 +123,7 @@ class HybridModel(nn.Module):
         capture_layers: tuple[int, ...] = (),
         logits_rows: torch.Tensor | None = None,
     ) -> ForwardOutput:
-        if self.cache is None:
-            raise RuntimeError("call setup_cache(max_len) before forward")
-        t, past = tokens.shape[0], self.cache.length
-        if past + t > self.cache.max_len:
-            raise ValueError(f"{past} cached + {t} new tokens exceed the cache of {self.cache.max_len}; call setup_cache")
+        t, past = tokens.shape[0], check_room(self.cache, tokens.shape[0])
         tree = None
         if tree_mask is not None:
             tree_mask = self._tree_mask(t, tree_mask)

@@ -44,3 +44,13 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
         self.length = length
         self.pending = 0
+
+
+def check_room(cache: "KVCache | None", new_tokens: int) -> int:
+    """The committed length, after checking that a forward of `new_tokens` fits in the cache."""
+    if cache is None:
+        raise RuntimeError("call setup_cache(max_len) before forward")
+    if cache.length + new_tokens > cache.max_len:
+        raise ValueError(f"{cache.length} cached + {new_tokens} new tokens exceed the cache of {cache.max_len}; "
+                         "call setup_cache")
+    return cache.length

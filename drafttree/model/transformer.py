@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .kv_cache import KVCache
+from .kv_cache import KVCache, check_room
 from .layers import RMSNorm, RotaryTable, SwiGLU, apply_rotary
 
 
@@ -146,11 +146,7 @@ class Transformer(nn.Module):
         capture_layers: tuple[int, ...] = (),
         logits_rows: torch.Tensor | None = None,
     ) -> ForwardOutput:
-        if self.cache is None:
-            raise RuntimeError("call setup_cache(max_len) before forward")
-        t, past = tokens.shape[0], self.cache.length
-        if past + t > self.cache.max_len:
-            raise ValueError(f"{past} cached + {t} new tokens exceed the cache of {self.cache.max_len}; call setup_cache")
+        t, past = tokens.shape[0], check_room(self.cache, tokens.shape[0])
         if positions is None:
             positions = torch.arange(past, past + t)
         cos, sin = self.rope(positions, self.dtype)
