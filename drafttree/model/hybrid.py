@@ -192,23 +192,10 @@ class HybridModel(nn.Module):
 def build_hybrid_model(hf_config, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> HybridModel:
     """The loader hook (`drafttree.load`): config + safetensors tensors with Hugging Face names."""
     from .hybrid_weights import to_hybrid_state_dict
+    from .weights import load_checked
 
     cfg = HybridConfig.from_hf(hf_config)
-    state = to_hybrid_state_dict(tensors, cfg)
-    with torch.device("meta"):
-        model = HybridModel(cfg)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
-    unexpected = sorted(set(state) - set(expected))
-    if unexpected:
-        raise ValueError(f"checkpoint has {len(unexpected)} tensors the config does not use, e.g. {unexpected[:3]}")
-    for k, t in state.items():
-        if tuple(t.shape) != tuple(expected[k].shape):
-            raise ValueError(f"shape mismatch for {k}: checkpoint {tuple(t.shape)}, config expects {tuple(expected[k].shape)}")
-    model.load_state_dict({k: t.to(dtype) for k, t in state.items()}, assign=True, strict=True)
-    model.init_rope()
+    model = load_checked(HybridModel, cfg, to_hybrid_state_dict(tensors, cfg), dtype)
     for gdn in model.gdn_layers():
         gdn.reset_state()
     return model.eval()

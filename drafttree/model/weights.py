@@ -88,18 +88,26 @@ def to_runtime_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
     return out
 
 
-def build_dense_model(hf_config, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
-    cfg = ModelConfig.from_hf(hf_config)
-    state = to_runtime_state_dict(tensors, cfg)
+def load_checked(model_cls, cfg, state: dict[str, torch.Tensor], dtype: torch.dtype):
+    """Build `model_cls(cfg)` on the meta device and assign `state`, naming missing, unexpected and
+    mis-shaped tensors; shared by the dense and the hybrid builders."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = model_cls(cfg)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise ValueError(f"checkpoint has {len(unexpected)} tensors the config does not use, e.g. {unexpected[:3]}")
     for k, t in state.items():
         if tuple(t.shape) != tuple(expected[k].shape):
             raise ValueError(f"shape mismatch for {k}: checkpoint {tuple(t.shape)}, config expects {tuple(expected[k].shape)}")
     model.load_state_dict({k: t.to(dtype) for k, t in state.items()}, assign=True, strict=True)
     model.init_rope()
-    return model.eval()
+    return model
+
+
+def build_dense_model(hf_config, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
+    cfg = ModelConfig.from_hf(hf_config)
+    return load_checked(Transformer, cfg, to_runtime_state_dict(tensors, cfg), dtype).eval()
