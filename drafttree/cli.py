@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .methods import METHODS
 from .sampling import SamplingParams
 
 
@@ -92,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate a reply to a prompt")
     g.add_argument("prompt")
-    g.add_argument("--method", default="ar", choices=["ar", "chain", "ddtree", "caddtree"])
+    g.add_argument("--method", default="ar", choices=list(METHODS))
     g.add_argument("--budget", type=int, default=16, help="draft-tree nodes for --method ddtree")
     g.add_argument("--drafter", default=None, help="drafter directory (default: the one shipped for the model)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job on the embedded default model")
     _add_model_args(d)
     d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--method", default="caddtree", choices=["ar", "chain", "ddtree", "caddtree"])
+    d.add_argument("--method", default="caddtree", choices=list(METHODS))
     d.add_argument("--budget", type=int, default=16)
     d.set_defaults(func=cmd_demo)
 

@@ -1,4 +1,4 @@
-"""Decoding methods by name: `ar`, `chain`, `ddtree`, `caddtree` — the one place the CLI, the demo,
+"""Decoding methods by name: `ar`, `chain`, `ddtree`, `caddtree`, `caddtree-online` — the one place the CLI, the demo,
 the benchmark and the server turn a method name into a generation call."""
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from .gguf_convert import cache_root
 from .sampling import SamplingParams
 from .target import Target
 
-METHODS = ("ar", "chain", "ddtree", "caddtree")
+METHODS = ("ar", "chain", "ddtree", "caddtree", "caddtree-online")
+COST_AWARE = ("caddtree", "caddtree-online")  # need the machine's cost model
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 SHIPPED_DRAFTERS = {"smollm2-135m-instruct": WEIGHTS_DIR / "smollm2-135m-instruct-dflash"}
 
@@ -73,7 +74,7 @@ def make_proposer(method: str, target: Target, drafter=None, budget: int = 16, c
     else:
         if cost_model is None:
             cost_model = load_or_profile_cost_model(target, lambda: DFlashProposer(drafter, target.model, ChainPolicy()))
-        policy = CostAwarePolicy(cost_model, max_tree_nodes)
+        policy = CostAwarePolicy(cost_model, max_tree_nodes, recalibrate=method == "caddtree-online")
     return DFlashProposer(drafter, target.model, policy)
 
 

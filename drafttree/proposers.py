@@ -2,16 +2,32 @@
 a tree policy turns them into a chain, a fixed-budget DDTree or a cost-aware CaDDTree."""
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 import torch
 
 from .costmodel import VerifyCostModel, build_caddtree
+from .recalibrate import RoundCalibrator
 from .tree import DraftTree, build_best_first_tree, build_chain_tree
 
 
+class TreePolicy:
+    """How a round's marginals become a tree. `begin` starts a generation; `observe` hears how many
+    draft nodes the target accepted (only the adaptive policy listens)."""
+
+    name = "tree"
+
+    def begin(self) -> None:
+        pass
+
+    def observe(self, accepted_draft_nodes: int) -> None:
+        pass
+
+
 @dataclass
-class ChainPolicy:
+class ChainPolicy(TreePolicy):
     """The drafter's argmax at every depth (DFlash's own loop)."""
 
     name = "chain"
@@ -24,7 +40,7 @@ class ChainPolicy:
 
 
 @dataclass
-class BestFirstPolicy:
+class BestFirstPolicy(TreePolicy):
     """DDTree: the `budget` most probable prefixes under the drafter's marginals."""
 
     budget: int
@@ -38,19 +54,43 @@ class BestFirstPolicy:
 
 
 @dataclass
-class CostAwarePolicy:
-    """CaDDTree: grow the best-first tree while modelled throughput (1 + Φ)/(C_d + C_v(n, ℓ)) improves."""
+class CostAwarePolicy(TreePolicy):
+    """CaDDTree: grow the best-first tree while modelled throughput (1 + Φ)/(C_d + C_v(n, ℓ)) improves.
+
+    With `recalibrate`, the round times and acceptances seen so far correct the cost model's
+    unmodelled overhead and the drafter's confidence (drafttree.recalibrate)."""
 
     cost_model: VerifyCostModel
     max_tree_nodes: int = 128
+    recalibrate: bool = False
     name = "caddtree"
+
+    def __post_init__(self):
+        self.calibrator = RoundCalibrator()
+        self._last_round = None  # (build time, modelled ms, Φ) of the round in flight
+
+    def begin(self) -> None:
+        self._last_round = None  # the gap across generations (prefill, caller) is not a round
 
     def max_nodes(self, depth: int) -> int:
         return self.max_tree_nodes
 
     def build(self, root: int, logits: torch.Tensor, context_len: int) -> DraftTree:
-        tree, _ = build_caddtree(root, logits.log_softmax(-1), self.cost_model, context_len, self.max_tree_nodes)
+        now = time.perf_counter()
+        cal = self.calibrator
+        if self._last_round is not None and self.recalibrate:
+            # build-to-build = this round's verify + commit + context update + next draft
+            cal.observe_time(self._last_round[1], (now - self._last_round[0]) * 1e3)
+        overhead, scale = (cal.overhead_ms, cal.accept_scale) if self.recalibrate else (0.0, 1.0)
+        tree, sel = build_caddtree(root, logits.log_softmax(-1), self.cost_model, context_len, self.max_tree_nodes,
+                                   overhead, scale)
+        phi = sum(math.exp(n.path_logprob) for n in sel.nodes)
+        self._last_round = (now, self.cost_model.round_ms(len(sel.nodes), context_len), phi)
         return tree
+
+    def observe(self, accepted_draft_nodes: int) -> None:
+        if self.recalibrate and self._last_round is not None:
+            self.calibrator.observe_acceptance(self._last_round[2], accepted_draft_nodes)
 
 
 class DFlashProposer:
@@ -69,6 +109,7 @@ class DFlashProposer:
     def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor) -> None:
         """Drafter prefill: context K/V of the whole prompt."""
         self.drafter.reset()
+        self.policy.begin()
         self.drafter.extend_context(prompt_features, torch.arange(prompt_features.shape[0]))
 
     def draft(self, root: int, start: int) -> torch.Tensor:
@@ -83,4 +124,5 @@ class DFlashProposer:
     def observe(self, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor, start: int) -> None:
         """Append the accepted nodes (root first) to the drafter's context."""
         n = accepted_features.shape[0]
+        self.policy.observe(n - 1)
         self.drafter.extend_context(accepted_features, torch.arange(start, start + n))

@@ -19,6 +19,7 @@ class TargetCopyProposer:
         self.gen = torch.Generator().manual_seed(seed)
 
     def begin(self, prompt_ids, prompt_features):
+        self.policy.begin()
         self.copy.reset()
         self.copy.setup_cache(512)
         self.copy.prefill(prompt_ids)
@@ -38,6 +39,7 @@ class TargetCopyProposer:
         return self.policy.build(root, logits, start)
 
     def observe(self, tokens, features, start):
+        self.policy.observe(tokens.numel() - 1)
         self.copy.forward(tokens)
         self.copy.commit(torch.arange(tokens.numel()))
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..methods import METHODS, generate, make_proposer
+from ..methods import COST_AWARE, METHODS, generate, make_proposer
 from ..sampling import SamplingParams
 
 DATASETS = ("humaneval", "gsm8k", "mtbench")
@@ -333,9 +333,9 @@ def plot_vs_budget(results: dict, key: str, ylabel: str, path: Path) -> None:
             ax.plot([b for b, _ in dd], [y for _, y in dd], "o-", color=color, label=f"{ds}: ddtree",
                     lw=2 if ds == "mean" else 1.2)
         for r in rows.values():
-            if r["kind"] in ("caddtree", "chain") and r[key] is not None and r["mean_tree_size"]:
-                marker = "*" if r["kind"] == "caddtree" else "^"
-                ax.scatter([r["mean_tree_size"]], [r[key]], marker=marker, s=160 if marker == "*" else 60, color=color,
+            if r["kind"] in ("chain", *COST_AWARE) and r[key] is not None and r["mean_tree_size"]:
+                marker = {"caddtree": "*", "caddtree-online": "P"}.get(r["kind"], "^")
+                ax.scatter([r["mean_tree_size"]], [r[key]], marker=marker, s=60 if marker == "^" else 160, color=color,
                            edgecolor="black", zorder=5, label=f"{ds}: {r['kind']} (mean tree {r['mean_tree_size']:.1f})")
         if key == "tokens_per_s" and "ar" in rows and rows["ar"][key]:
             ax.axhline(rows["ar"][key], color=color, ls=":", lw=1, label=f"{ds}: ar")
@@ -358,8 +358,9 @@ def plot_tree_sizes(results: dict, path: Path) -> None:
     ax = fig.add_subplot(1, 1, 1)
     by_ds = {}
     for r in results["records"]:
-        if r["kind"] == "caddtree":
-            by_ds.setdefault(r["dataset"], []).extend(r["tree_sizes"])
+        if r["kind"] in COST_AWARE:
+            label = r["dataset"] if r["kind"] == "caddtree" else f"{r['dataset']} ({r['kind']})"
+            by_ds.setdefault(label, []).extend(r["tree_sizes"])
     top = max((max(v) for v in by_ds.values() if v), default=1)
     bins = range(0, top + 2)
     ax.hist(list(by_ds.values()), bins=bins, label=[f"{ds} (mean {sum(v) / max(1, len(v)):.1f})" for ds, v in by_ds.items()],
@@ -405,7 +406,7 @@ def write_outputs(results: dict, out: Path, log=print) -> list[Path]:
         json.dump(results, f, indent=1)
     written[1].write_text(markdown_report(results))
     kinds = {r["kind"] for r in results["mean_over_datasets"].values()}
-    if kinds & {"ddtree", "caddtree", "chain"}:
+    if kinds & {"ddtree", "chain", *COST_AWARE}:
         for key, label, name in (("tau", "τ (mean acceptance length)", "tau_vs_budget.png"),
                                  ("tokens_per_s", "tokens/s (decode)", "tokens_per_s_vs_budget.png"),
                                  ("speedup", "speedup over AR", "speedup_vs_budget.png")):
@@ -413,7 +414,7 @@ def write_outputs(results: dict, out: Path, log=print) -> list[Path]:
             written.append(out / name)
         plot_accept_lengths(results, out / "accept_lengths.png")
         written.append(out / "accept_lengths.png")
-    if "caddtree" in kinds:
+    if kinds & set(COST_AWARE):
         plot_tree_sizes(results, out / "caddtree_tree_sizes.png")
         written.append(out / "caddtree_tree_sizes.png")
     log(f"wrote {', '.join(str(p) for p in written)} (+ records.jsonl)")
@@ -476,7 +477,7 @@ def run(args) -> int:
     speculative = [v for v in variants if v.method != "ar"]
     drafter = load_drafter_for(target, args.drafter) if speculative else None
     cost_model, cost_model_src = None, None
-    if any(v.method == "caddtree" for v in variants):
+    if any(v.method in COST_AWARE for v in variants):
         from ..costmodel import VerifyCostModel
         from ..proposers import ChainPolicy, DFlashProposer
 
