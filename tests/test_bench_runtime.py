@@ -55,10 +55,14 @@ def test_ar_comparison_tiny(tmp_path):
     assert ar["ratios"]["faster dtype"] == {"drafttree": "fp32", "transformers": "fp32"}
     assert ar["ratios"]["drafttree/transformers fp32"] > 0
 
+    floor = runtime.weight_floor(target.model, repeats=2)
+    weights = {p.data_ptr(): p for p in target.model.parameters() if p.dim() == 2}.values()
+    assert floor["weight_mb"] == pytest.approx(sum(p.numel() * 4 for p in weights) / 1e6) and floor["ms"] > 0
     results = dict(model="tiny", threads=1, torch="t", transformers="x", cpu="cpu", hf_attn="eager", repeats=2,
-                   timestamp="now", ar=ar)
+                   timestamp="now", ar=ar, weight_floor={"fp32": floor})
     md = runtime.markdown(results)
     assert "| drafttree-fp32 |" in md and "each at its faster dtype" in md
+    assert "## The floor" in md and "| fp32 |" in md
 
 
 def test_cli_parses_bench_runtime_options():

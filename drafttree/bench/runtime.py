@@ -5,7 +5,10 @@
    mtbench in turn). EOS is ignored by both so every run produces exactly `max_new_tokens`; for each
    prompt the four configurations run back to back (in a rotating order) so machine noise hits all
    alike. Times are wall clock for the whole call, prefill included, for both libraries.
-2. The forward-cost curve of the runtime: milliseconds of one `forward` over n new tokens (chain
+2. The floor of a decode step in eager PyTorch: one `F.linear` of a single row with every weight
+   matrix of the model (the LM head included), nothing else. A decode step cannot beat it without
+   fewer weight bytes (quantization) or fused kernels; both libraries' ms/token are shown against it.
+3. The forward-cost curve of the runtime: milliseconds of one `forward` over n new tokens (chain
    mask, logits for every row, as tree verification needs them) on top of a committed context.
 
 Usage: `drafttree bench-runtime [--prompts 5] [--max-new-tokens 256] [--threads 2] [--quick]`.
@@ -143,6 +146,29 @@ def ar_ratios(configs: dict) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------ weight floor
+@torch.inference_mode()
+def weight_floor(model, repeats: int = 7) -> dict:
+    """ms of one single-row `F.linear` with every weight matrix (each tensor once: a tied head counts
+    once), median over repeats: the matmul work of one decode step with nothing around it."""
+    weights, seen = [], set()
+    for name, w in model.named_parameters():
+        if w.dim() == 2 and w.data_ptr() not in seen:
+            seen.add(w.data_ptr())
+            weights.append(w)
+    xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights}
+    times = []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        for w in weights:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+        if r:
+            times.append((time.perf_counter() - t0) * 1e3)
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    ms = statistics.median(times)
+    return dict(ms=ms, weight_mb=nbytes / 1e6, gb_per_s=nbytes / ms / 1e6, tokens_per_s=1e3 / ms)
+
+
 # ------------------------------------------------------------------------------------ forward-cost curve
 def forward_cost_curve(target, contexts=CONTEXTS, sizes=SIZES, repeats: int = 5, warmup: int = 1,
                        progress: bool = True, seed: int = 0) -> list[dict]:
@@ -243,6 +269,18 @@ def markdown(results: dict) -> str:
             ag = row["agree_prefix"]
             lines.append(f"| {i} | {row.get('set', '')} | {row['prompt_tokens']} | {secs} | {ag.get('fp32', '')} | {ag.get('bf16', '')} |")
         lines.append("")
+    floor = results.get("weight_floor")
+    if floor:
+        lines += ["## The floor: one single-row `F.linear` per weight matrix (nothing else), median", "",
+                  "| dtype | weights MB | floor ms | GB/s | floor tokens/s | drafttree ms/token | transformers ms/token |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for d, f in floor.items():
+            cfg = (ar or {}).get("configs", {})
+            mine, theirs = cfg.get(f"drafttree-{d}"), cfg.get(f"transformers-{d}")
+            ms = lambda c: f"{1e3 / c['tokens_per_s']:.2f}" if c else "–"
+            lines.append(f"| {d} | {f['weight_mb']:.0f} | {f['ms']:.2f} | {f['gb_per_s']:.1f} | {f['tokens_per_s']:.1f} | "
+                         f"{ms(mine)} | {ms(theirs)} |")
+        lines.append("")
     curves = results.get("curves")
     if curves:
         lines += [f"## Forward cost of the runtime (median of {results['repeats']} repeats; chain mask, logits for all rows)", ""]
@@ -328,6 +366,7 @@ def run(args) -> int:
             row["set"] = name
         results["ar"] = ar
         del runners
+        results["weight_floor"] = {SHORT[d]: weight_floor(targets[d].model, repeats) for d in DTYPE_NAMES}
     if not skip_curve:
         results["curves"] = {}
         for d in curve_dtypes:
