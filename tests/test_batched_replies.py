@@ -1,0 +1,49 @@
+"""Bulk self-distillation through transformers' batched generate: left-padded prompts of different
+lengths give the same replies as our AR and the same features as our runtime's prefill."""
+import torch
+from transformers import AutoModelForCausalLM
+
+from drafttree.drafter.batched_replies import generate_batch
+from drafttree.engine import generate_ar
+from drafttree.load import load_target
+from drafttree.sampling import SamplingParams
+
+
+def test_batched_replies_match_runtime(tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    layers = (0, target.model.config.num_layers - 2)
+    prompts = [torch.tensor([5, 9, 2, 33]), torch.tensor([7]), torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9])]
+    out = generate_batch(hf, prompts, 12, SamplingParams(), layers, stop_ids=set(), pad_id=0)
+    model = target.model
+    for p, (tokens, feats, plen) in zip(prompts, out):
+        reply = generate_ar(target, p, max_new_tokens=12, stop_token_ids=()).tokens
+        assert plen == p.numel() and tokens.tolist() == p.tolist() + reply[:-1]  # the last reply token is only predicted
+        model.reset()
+        model.setup_cache(64)
+        ref = model.prefill(tokens, capture_layers=layers).features
+        assert feats.shape == ref.shape
+        torch.testing.assert_close(feats, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_stop_token_ends_a_reply(tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    p = torch.tensor([5, 9, 2, 33])
+    reply = generate_ar(target, p, max_new_tokens=12, stop_token_ids=()).tokens
+    stop = reply[3]
+    first = reply.index(stop)
+    (tokens, feats, plen), = generate_batch(hf, [p], 12, SamplingParams(), (0,), stop_ids={stop}, pad_id=0)
+    assert tokens.tolist() == p.tolist() + reply[:first]  # cut at the stop token, which is only predicted
+    assert feats.shape[0] == tokens.numel()
+
+
+def test_last_layer_is_refused(tiny_checkpoint):
+    import pytest
+
+    path, _ = tiny_checkpoint
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with pytest.raises(ValueError, match="final norm"):
+        generate_batch(hf, [torch.tensor([1, 2])], 4, SamplingParams(), (hf.config.num_hidden_layers - 1,), set(), 0)

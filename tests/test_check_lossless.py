@@ -1,0 +1,35 @@
+"""check-lossless on a tiny model: the teacher-forced check accepts AR's own output and rejects a
+changed one; the whole check reports zero mismatches for a lossless method."""
+import torch
+
+from drafttree.bench import lossless
+from drafttree.engine import generate_ar
+from drafttree.load import load_target
+from drafttree.proposers import BestFirstPolicy, DFlashProposer
+from spec_helpers import random_drafter_for
+
+
+def test_teacher_forced_check(tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    ids = torch.tensor([3, 9, 27, 4])
+    ar = generate_ar(target, ids, max_new_tokens=20, stop_token_ids=()).tokens
+    assert lossless.teacher_forced_ok(target, ids, ar, 20, stops=set())
+    wrong = ar[:7] + [(ar[7] + 1) % target.model.config.vocab_size] + ar[8:]
+    assert not lossless.teacher_forced_ok(target, ids, wrong, 20, stops=set())
+    assert not lossless.teacher_forced_ok(target, ids, ar[:-1], 20, stops=set())  # stopped early without a stop token
+    assert lossless.teacher_forced_ok(target, ids, ar[:5], 20, stops={ar[4]}) == (ar[4] not in ar[:4])
+
+
+def test_check_counts_no_mismatch_for_a_lossless_method(tiny_checkpoint, monkeypatch):
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    drafter = random_drafter_for(target.model)
+    monkeypatch.setattr(lossless, "make_proposer",
+                        lambda m, t, drafter=None, cost_model=None: DFlashProposer(drafter, t.model, BestFirstPolicy(8)))
+    monkeypatch.setattr(target, "encode_chat", lambda text: torch.tensor([int(c) % 50 + 1 for c in text.encode()]))
+    res = lossless.check(target, ["ddtree"], {"toy": ["ab", "hello", "xyz!"]}, max_new_tokens=16, drafter=drafter,
+                         progress=False)
+    row = res["toy"]["ddtree"]
+    assert row["prompts"] == 3 and row["mismatches"] == 0 and row["tau"] >= 1.0
+    assert "| toy | ddtree | 3 |" in lossless.markdown(res, dict(dtype="float32", max_new_tokens=16))
