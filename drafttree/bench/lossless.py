@@ -39,7 +39,8 @@ def teacher_forced_ok(target, prompt_ids: torch.Tensor, tokens: list[int], max_n
 
 
 def check(target, methods, prompts_by_set: dict, max_new_tokens: int = 256, drafter=None, cost_model=None,
-          progress: bool = True) -> dict:
+          progress: bool = True, records=None) -> dict:
+    """`records`: an open text file that gets one JSON line per prompt as it finishes (survives a kill)."""
     stops = set(target.stop_token_ids)
     proposers = {m: make_proposer(m, target, drafter=drafter, cost_model=cost_model) for m in methods}
     results = {}
@@ -63,6 +64,10 @@ def check(target, methods, prompts_by_set: dict, max_new_tokens: int = 256, draf
                 row["rounds"] += res.stats.rounds
                 row["accepted"] += sum(res.stats.accept_lengths)
                 row["tokens"] += len(res.tokens)
+                if records is not None:
+                    records.write(json.dumps(dict(set=ds, method=m, prompt=i, ok=ok, tokens=len(res.tokens),
+                                                  rounds=res.stats.rounds, tau=res.stats.tau)) + "\n")
+                    records.flush()
                 bar.update(1)
                 bar.set_postfix(set=ds, method=m, mismatches=row["mismatches"])
             row["tau"] = row["accepted"] / max(1, row["rounds"])
@@ -111,11 +116,12 @@ def run(a) -> int:
     cost_model = None
     if any(m in COST_AWARE for m in methods):
         cost_model = load_or_profile_cost_model(target, lambda: DFlashProposer(drafter, target.model, ChainPolicy()))
-    results = check(target, methods, prompts, a.max_new_tokens, drafter, cost_model)
-    config = dict(model=target.name, dtype=a.dtype, max_new_tokens=a.max_new_tokens, threads=torch.get_num_threads(),
-                  drafter=a.drafter or "shipped", sets={d: len(p) for d, p in prompts.items()})
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    with open(out / "records.jsonl", "w") as records:
+        results = check(target, methods, prompts, a.max_new_tokens, drafter, cost_model, records=records)
+    config = dict(model=target.name, dtype=a.dtype, max_new_tokens=a.max_new_tokens, threads=torch.get_num_threads(),
+                  drafter=a.drafter or "shipped", sets={d: len(p) for d, p in prompts.items()})
     (out / "results.json").write_text(json.dumps(dict(config=config, results=results), indent=1) + "\n")
     md = markdown(results, config)
     (out / "results.md").write_text(md)

@@ -48,8 +48,11 @@ def write_feature_shard(path: str | Path, sequences: Iterable, target_layer_ids:
     meta.update({k: str(v) for k, v in (metadata or {}).items()})
     tensors = {"input_ids": torch.cat(ids), "loss_mask": torch.cat(masks), "features": torch.cat(feats).contiguous(),
                "offsets": torch.tensor(offsets, dtype=torch.int64)}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata=meta)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")  # renamed only when complete: a killed writer leaves no shard
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
     return len(ids)
 
 
