@@ -126,6 +126,39 @@ def generate_packed(model, prompts: list[torch.Tensor], max_new_tokens: int, sam
     return results
 
 
+def training_prompts(a) -> list[str]:
+    """GSM8K train questions, stdlib code prompts and ShareGPT first turns, shuffled (never evaluation sets)."""
+    prompts = (gsm8k_train_prompts(a.gsm8k)[: a.gsm8k_limit] if a.gsm8k else []) + stdlib_code_prompts(a.code, a.seed)
+    prompts += sharegpt_prompts(a.sharegpt, a.seed) if a.sharegpt else []
+    random.Random(a.seed).shuffle(prompts)
+    return prompts[: a.limit]
+
+
+def length_sorted(prompts: list[str], lengths: list[int], window: int) -> list[str]:
+    """Sorted by length within consecutive windows: batches of similar length, the mix of sources kept
+    even along the run, and a deterministic order (resuming relies on it)."""
+    return [p for w in range(0, len(prompts), window)
+            for _, p in sorted(zip(lengths[w:w + window], prompts[w:w + window]), key=lambda x: x[0])]
+
+
+def make_decoder(a, target, layers, stops, done: int):
+    """(prompt ids list, sampling, seed) -> [(tokens, features, prompt_len)] for the chosen engine."""
+    model = target.model
+    if a.engine == "hf":
+        from transformers import AutoModelForCausalLM
+
+        from ..gguf_convert import EMBEDDED, convert_embedded
+        from .batched_replies import generate_batch
+
+        path = convert_embedded(a.model) if a.model in EMBEDDED else a.model
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype, attn_implementation="sdpa").eval()
+        pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else target.stop_token_ids[0]
+        return lambda ids, mode, seed: generate_batch(hf, ids, a.max_new_tokens, mode, layers, stops, pad, seed)
+    model.setup_cache(min(model.config.max_position_embeddings, a.batch * (a.max_new_tokens + a.max_prompt_tokens)))
+    gen = torch.Generator().manual_seed(a.seed + done)
+    return lambda ids, mode, seed: generate_packed(model, ids, a.max_new_tokens, mode, layers, stops, gen)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -151,42 +184,19 @@ def main(argv=None) -> int:
 
     target = load_target(a.model, dtype=a.dtype, threads=a.threads)
     layers = tuple(int(x) for x in a.layers.split(","))
-    prompts = (gsm8k_train_prompts(a.gsm8k)[: a.gsm8k_limit] if a.gsm8k else []) + stdlib_code_prompts(a.code, a.seed)
-    prompts += sharegpt_prompts(a.sharegpt, a.seed) if a.sharegpt else []
-    random.Random(a.seed).shuffle(prompts)
-    prompts = prompts[: a.limit]
+    stops = set(target.stop_token_ids)
+    prompts = training_prompts(a)
+    if a.engine == "hf":  # a padded batch pays prefill for its longest prompt
+        prompts = length_sorted(prompts, [len(target.encode_chat(p)) for p in prompts], window=16 * a.batch)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     progress_file = out / f"progress-{a.engine}-seed{a.seed}.json"
     done = json.loads(progress_file.read_text())["prompts_done"] if progress_file.exists() else 0
-    model = target.model
-    if a.engine == "hf":
-        from transformers import AutoModelForCausalLM
-
-        from .batched_replies import generate_batch
-
-        from ..gguf_convert import EMBEDDED, convert_embedded
-
-        path = convert_embedded(a.model) if a.model in EMBEDDED else a.model
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype, attn_implementation="sdpa").eval()
-        pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else target.stop_token_ids[0]
-        decode = lambda ids, mode, seed: generate_batch(hf, ids, a.max_new_tokens, mode, layers, stops, pad, seed)
-    else:
-        model.setup_cache(min(model.config.max_position_embeddings, a.batch * (a.max_new_tokens + a.max_prompt_tokens)))
-        gen = torch.Generator().manual_seed(a.seed + done)
-        decode = lambda ids, mode, seed: generate_packed(model, ids, a.max_new_tokens, mode, layers, stops, gen)
+    decode = make_decoder(a, target, layers, stops, done)
     greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95)
-    stops = set(target.stop_token_ids)
     writer = FeatureShardWriter(out, list(layers), tokens_per_shard=100_000, metadata={"target": a.model, "dtype": a.dtype})
     bar = tqdm(total=len(prompts), initial=done, desc="self-distillation", unit="prompt")
     tokens_total = 0
-    if a.engine == "hf":
-        # a padded batch pays prefill for its longest prompt: batch prompts of similar length (sorted
-        # within windows, so the mix of sources stays even and resuming stays deterministic)
-        lengths = [len(target.encode_chat(p)) for p in tqdm(prompts, desc="tokenizing", unit="prompt")]
-        window = 16 * a.batch
-        prompts = [p for w in range(0, len(prompts), window)
-                   for _, p in sorted(zip(lengths[w:w + window], prompts[w:w + window]), key=lambda x: x[0])]
     for start in range(done, len(prompts), a.batch):
         ids = [target.encode_chat(p) for p in prompts[start:start + a.batch]]
         ids = [x for x in ids if x.numel() <= a.max_prompt_tokens]  # truncating would cut the chat template
