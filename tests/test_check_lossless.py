@@ -33,3 +33,18 @@ def test_check_counts_no_mismatch_for_a_lossless_method(tiny_checkpoint, monkeyp
     row = res["toy"]["ddtree"]
     assert row["prompts"] == 3 and row["mismatches"] == 0 and row["tau"] >= 1.0
     assert "| toy | ddtree | 3 |" in lossless.markdown(res, dict(dtype="float32", max_new_tokens=16))
+
+
+def test_divergence_gap_measures_ars_own_logits(tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    ids = torch.tensor([3, 9, 27, 4])
+    ar = generate_ar(target, ids, max_new_tokens=12, stop_token_ids=()).tokens
+    other = ar[:5] + [(ar[5] + 1) % target.model.config.vocab_size] + ar[6:]
+    at, gap = lossless.divergence_gap(target, ids, ar, other)
+    model = target.model
+    model.reset()
+    logits = model.forward(torch.cat([ids, torch.tensor(ar[:5])])).logits[-1]
+    assert at == 5 and gap > 0
+    assert abs(gap - float(logits[ar[5]] - logits[other[5]])) < 1e-4
+    assert lossless.divergence_gap(target, ids, ar, ar[:7]) == (7, float("inf"))
