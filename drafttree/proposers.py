@@ -66,6 +66,7 @@ class CostAwarePolicy(TreePolicy):
     name = "caddtree"
 
     def __post_init__(self):
+        self.name = "caddtree-online" if self.recalibrate else "caddtree"
         self.calibrator = RoundCalibrator()
         self._last_round = None  # (build time, modelled ms, Φ) of the round in flight
 
