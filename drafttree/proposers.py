@@ -77,20 +77,22 @@ class CostAwarePolicy(TreePolicy):
         return self.max_tree_nodes
 
     def build(self, root: int, logits: torch.Tensor, context_len: int) -> DraftTree:
+        if not self.recalibrate:  # the paper's rule: no bookkeeping on the hot path
+            return build_caddtree(root, logits.log_softmax(-1), self.cost_model, context_len, self.max_tree_nodes)[0]
         now = time.perf_counter()
         cal = self.calibrator
-        if self._last_round is not None and self.recalibrate:
+        if self._last_round is not None:
             # build-to-build = this round's verify + commit + context update + next draft
             cal.observe_time(self._last_round[1], (now - self._last_round[0]) * 1e3)
-        overhead, scale = (cal.overhead_ms, cal.accept_scale) if self.recalibrate else (0.0, 1.0)
+        overhead = cal.overhead_ms
         tree, sel = build_caddtree(root, logits.log_softmax(-1), self.cost_model, context_len, self.max_tree_nodes,
-                                   overhead, scale)
-        phi = sum(math.exp(n.path_logprob) for n in sel.nodes)
-        self._last_round = (now, self.cost_model.round_ms(len(sel.nodes), context_len), phi)
+                                   overhead, cal.accept_scale)
+        phi = sum(math.exp(n.path_logprob) for n in sel.nodes)  # unscaled: what the drafter itself predicted
+        self._last_round = (now, sel.round_ms - overhead, phi)
         return tree
 
     def observe(self, accepted_draft_nodes: int) -> None:
-        if self.recalibrate and self._last_round is not None:
+        if self._last_round is not None:  # set only when recalibrating
             self.calibrator.observe_acceptance(self._last_round[2], accepted_draft_nodes)
 
 
