@@ -26,13 +26,14 @@ def test_check_counts_no_mismatch_for_a_lossless_method(tiny_checkpoint, monkeyp
     target = load_target(str(path))
     drafter = random_drafter_for(target.model)
     monkeypatch.setattr(lossless, "make_proposer",
-                        lambda m, t, drafter=None, cost_model=None: DFlashProposer(drafter, t.model, BestFirstPolicy(8)))
+                        lambda m, t, drafter=None, budget=16, cost_model=None:
+                        DFlashProposer(drafter, t.model, BestFirstPolicy(budget)))
     monkeypatch.setattr(target, "encode_chat", lambda text: torch.tensor([int(c) % 50 + 1 for c in text.encode()]))
     res = lossless.check(target, ["ddtree"], {"toy": ["ab", "hello", "xyz!"]}, max_new_tokens=16, drafter=drafter,
-                         progress=False)
-    row = res["toy"]["ddtree"]
+                         progress=False, budget=8)
+    row = res["toy"]["ddtree-8"]
     assert row["prompts"] == 3 and row["mismatches"] == 0 and row["tau"] >= 1.0
-    assert "| toy | ddtree | 3 |" in lossless.markdown(res, dict(dtype="float32", max_new_tokens=16))
+    assert "| toy | ddtree-8 | 3 |" in lossless.markdown(res, dict(dtype="float32", max_new_tokens=16))
 
 
 def test_divergence_gap_measures_ars_own_logits(tiny_checkpoint):

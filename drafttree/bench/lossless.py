@@ -62,17 +62,22 @@ def divergence_gap(target, prompt_ids: torch.Tensor, ar_tokens: list[int], other
     return i, float(logits[ar_tokens[i]] - logits[other_tokens[i]])
 
 
+def method_label(method: str, budget: int) -> str:
+    return f"ddtree-{budget}" if method == "ddtree" else method
+
+
 def check(target, methods, prompts_by_set: dict, max_new_tokens: int = 256, drafter=None, cost_model=None,
-          progress: bool = True, records=None) -> dict:
-    """`records`: an open text file that gets one JSON line per prompt as it finishes (survives a kill)."""
+          progress: bool = True, records=None, budget: int = 16) -> dict:
+    """`records`: an open text file that gets one JSON line per prompt as it finishes (survives a kill).
+    `budget`: ddtree's node budget (its rows are named ddtree-<budget>)."""
     stops = set(target.stop_token_ids)
-    proposers = {m: make_proposer(m, target, drafter=drafter, cost_model=cost_model) for m in methods}
+    proposers = {m: make_proposer(m, target, drafter=drafter, budget=budget, cost_model=cost_model) for m in methods}
     results = {}
     total = sum(len(p) for p in prompts_by_set.values()) * len(methods)
     bar = tqdm(total=total, desc="lossless check", unit="run", disable=not progress)
     for ds, prompts in prompts_by_set.items():
         for m in methods:
-            row = results.setdefault(ds, {}).setdefault(m, dict(prompts=0, mismatches=0, ar_adjudicated=0, near_ties=0,
+            row = results.setdefault(ds, {}).setdefault(method_label(m, budget), dict(prompts=0, mismatches=0, ar_adjudicated=0, near_ties=0,
                                                                 rounds=0, accepted=0, tokens=0, failed=[]))
             for i, text in enumerate(prompts):
                 ids = target.encode_chat(text)
@@ -92,11 +97,11 @@ def check(target, methods, prompts_by_set: dict, max_new_tokens: int = 256, draf
                 row["accepted"] += sum(res.stats.accept_lengths)
                 row["tokens"] += len(res.tokens)
                 if records is not None:
-                    records.write(json.dumps(dict(set=ds, method=m, prompt=i, ok=ok, tokens=len(res.tokens),
+                    records.write(json.dumps(dict(set=ds, method=method_label(m, budget), prompt=i, ok=ok, tokens=len(res.tokens),
                                                   rounds=res.stats.rounds, tau=res.stats.tau)) + "\n")
                     records.flush()
                 bar.update(1)
-                bar.set_postfix(set=ds, method=m, mismatches=row["mismatches"])
+                bar.set_postfix(set=ds, method=method_label(m, budget), mismatches=row["mismatches"])
             row["tau"] = row["accepted"] / max(1, row["rounds"])
     bar.close()
     return results
@@ -127,6 +132,7 @@ def add_arguments(p) -> None:
     p.add_argument("--datasets", default="gsm8k,humaneval,mtbench")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--budget", type=int, default=16, help="ddtree's node budget")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -152,7 +158,8 @@ def run(a) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "records.jsonl", "w") as records:
-        results = check(target, methods, prompts, a.max_new_tokens, drafter, cost_model, records=records)
+        results = check(target, methods, prompts, a.max_new_tokens, drafter, cost_model, records=records,
+                        budget=a.budget)
     config = dict(model=target.name, dtype=a.dtype, max_new_tokens=a.max_new_tokens, threads=torch.get_num_threads(),
                   drafter=a.drafter or "shipped", sets={d: len(p) for d, p in prompts.items()})
     (out / "results.json").write_text(json.dumps(dict(config=config, results=results), indent=1) + "\n")
