@@ -1,7 +1,8 @@
 """`drafttree bench`: decoding methods side by side on evaluation prompt sets.
 
-For every prompt, every method runs back to back (interleaved; the order rotates from prompt to
-prompt), so machine noise hits all methods alike and AR's speed is measured in the same run.
+For every prompt, every method runs back to back (interleaved, in a fresh seeded random order per
+prompt, so no method always follows the same neighbour, e.g. the heavy ddtree-128), so machine noise
+hits all methods alike and AR's speed is measured in the same run.
 In greedy mode every method's tokens are compared with AR's: speculative decoding is lossless, so
 the mismatch count must be 0.
 
@@ -20,6 +21,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -149,8 +151,7 @@ def benchmark(target, prompts_by_dataset: dict, methods=METHODS, *, drafter=None
             for i, ids in enumerate(ps):
                 bar.set_description(f"{ds} {i + 1}/{len(ps)}")
                 params = _sampling_for(sampling, counter)
-                shift = counter % len(variants)
-                order = variants[shift:] + variants[:shift]  # rotate so no method always runs first
+                order = random.Random(counter).sample(variants, len(variants))
                 results = {v.name: run_one(v, ids, max_new_tokens, params) for v in order}
                 ar_tokens = results["ar"].tokens if sampling.greedy else None
                 recs = [_record(ds, i, v, results[v.name], None if v.method == "ar" else ar_tokens) for v in variants]
