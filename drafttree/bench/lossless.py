@@ -77,8 +77,9 @@ def check(target, methods, prompts_by_set: dict, max_new_tokens: int = 256, draf
     bar = tqdm(total=total, desc="lossless check", unit="run", disable=not progress)
     for ds, prompts in prompts_by_set.items():
         for m in methods:
-            row = results.setdefault(ds, {}).setdefault(method_label(m, budget), dict(prompts=0, mismatches=0, ar_adjudicated=0, near_ties=0,
-                                                                rounds=0, accepted=0, tokens=0, failed=[]))
+            name = method_label(m, budget)
+            row = results.setdefault(ds, {}).setdefault(name, dict(prompts=0, mismatches=0, ar_adjudicated=0, near_ties=0,
+                                                                   rounds=0, accepted=0, tokens=0, failed=[]))
             for i, text in enumerate(prompts):
                 ids = target.encode_chat(text)
                 res = generate(m, target, ids, max_new_tokens, proposer=proposers[m])
@@ -97,11 +98,11 @@ def check(target, methods, prompts_by_set: dict, max_new_tokens: int = 256, draf
                 row["accepted"] += sum(res.stats.accept_lengths)
                 row["tokens"] += len(res.tokens)
                 if records is not None:
-                    records.write(json.dumps(dict(set=ds, method=method_label(m, budget), prompt=i, ok=ok, tokens=len(res.tokens),
+                    records.write(json.dumps(dict(set=ds, method=name, prompt=i, ok=ok, tokens=len(res.tokens),
                                                   rounds=res.stats.rounds, tau=res.stats.tau)) + "\n")
                     records.flush()
                 bar.update(1)
-                bar.set_postfix(set=ds, method=method_label(m, budget), mismatches=row["mismatches"])
+                bar.set_postfix(set=ds, method=name, mismatches=row["mismatches"])
             row["tau"] = row["accepted"] / max(1, row["rounds"])
     bar.close()
     return results
