@@ -27,8 +27,8 @@ def run_demo(a) -> int:
         runs[m] = generate(m, target, ids, a.max_new_tokens, proposer=proposer)
     print(target.decode(runs[a.method].tokens) + "\n")
     ar = runs["ar"]
-    for m in methods + ["ar"]:
-        print(runs[m].stats.line())
+    for run in runs.values():
+        print(run.stats.line())
     print()
     for m in methods:
         spec = runs[m]
