@@ -77,6 +77,12 @@ def cmd_bench(a) -> int:
     return run(a)
 
 
+def cmd_replay(a) -> int:
+    from .bench.replay import run
+
+    return run(a)
+
+
 def cmd_check_lossless(a) -> int:
     from .bench.lossless import run
 
@@ -153,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "against the target alone (teacher forcing; real AR where that fails)")
     lossless_arguments(lc)
     lc.set_defaults(func=cmd_check_lossless)
+
+    from .bench.replay import add_arguments as replay_arguments
+
+    rp = sub.add_parser("replay", help="tree-size policies replayed on recorded draft streams: exact τ, "
+                        "modelled time, no clock noise")
+    replay_arguments(rp)
+    rp.set_defaults(func=cmd_replay)
 
     t = sub.add_parser("train", help="`train data ...` (self-distillation data) or `train drafter ...`; "
                        "options: see `drafttree train drafter -- --help`")

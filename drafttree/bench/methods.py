@@ -51,6 +51,15 @@ class Variant:
         return f"{self.method}-{self.budget}" if self.budget is not None else self.method
 
 
+def parse_datasets(text: str) -> list[str]:
+    """`--datasets a,b`: names checked against DATASETS."""
+    datasets = [d.strip() for d in text.split(",") if d.strip()]
+    for d in datasets:
+        if d not in DATASETS:
+            raise ValueError(f"unknown dataset {d!r}: choose from {', '.join(DATASETS)}")
+    return datasets
+
+
 def parse_variants(methods, budgets) -> list[Variant]:
     """`ar` first (always: it is the reference), then the others in the order given; ddtree once per budget."""
     methods = [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
@@ -464,10 +473,7 @@ def run(args) -> int:
     from ..load import load_target
     from ..methods import load_drafter_for, load_or_profile_cost_model
 
-    datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
-    for d in datasets:
-        if d not in DATASETS:
-            raise ValueError(f"unknown dataset {d!r}: choose from {', '.join(DATASETS)}")
+    datasets = parse_datasets(args.datasets)
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     variants = parse_variants(args.methods, args.budgets)  # validate before loading anything

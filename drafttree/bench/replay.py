@@ -1,0 +1,211 @@
+"""`drafttree replay`: tree-size policies compared without a clock.
+
+Greedy speculative decoding emits AR's tokens whatever the trees, so a round's outcome depends only on
+where it starts: the drafter's marginals at root position q (its context: the AR text before q) fix the
+best-first node stream, and the first n nodes of that stream accept the deepest of them whose path
+matches AR's continuation. Recorded once per position, this replays any policy exactly (fixed budget
+or CaDDTree's selection, the shipped code): τ is exact and time comes from the cost model, so a
+policy's quality is measured without the wall-clock noise that dominates `drafttree bench` on small
+machines. What replay cannot see: costs the model misses (read them off `drafttree bench`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..costmodel import VerifyCostModel, caddtree_select
+from ..engine import generate_ar
+from ..tree import TreeNode, best_first_nodes
+
+
+@dataclass
+class DraftStreams:
+    """Per round start s (root = tokens[s] at position prompt_len + s): the best-first stream."""
+
+    prompt_len: int
+    tokens: list[int]  # AR's continuation; rounds start at s = 0 .. len - 2
+    parents: np.ndarray  # [S, M] int32, tree indices (0 = root); -1 past the stream's end
+    node_tokens: np.ndarray  # [S, M] int64
+    depths: np.ndarray  # [S, M] int16
+    path_logprobs: np.ndarray  # [S, M] float64
+    matched_depth: np.ndarray  # [S, M] int16: the node's depth if its path is AR's continuation, else 0
+
+    def nodes(self, s: int):
+        """The stream at round start s, as the TreeNodes the tree builders produce (lazily)."""
+        for j in range(self.parents.shape[1]):
+            if self.parents[s, j] < 0:
+                return
+            yield TreeNode(int(self.parents[s, j]), int(self.node_tokens[s, j]), int(self.depths[s, j]), float("nan"),
+                           float(self.path_logprobs[s, j]))
+
+    def accepted(self, s: int, n: int) -> int:
+        """Draft tokens accepted when the first n nodes of stream s are verified."""
+        return int(self.matched_depth[s, :n].max()) if n > 0 else 0
+
+
+@torch.no_grad()
+def record_draft_streams(target, proposer, prompt_ids: torch.Tensor, max_new_tokens: int, max_nodes: int,
+                         stop_token_ids=None) -> DraftStreams:
+    """AR's reply, then one draft per position of it, the drafter's context growing one token at a time."""
+    prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.long)
+    ar = generate_ar(target, prompt_ids, max_new_tokens, stop_token_ids=stop_token_ids).tokens
+    seq = torch.cat([prompt_ids, torch.tensor(ar, dtype=torch.long)])
+    P, S, model = prompt_ids.numel(), max(len(ar) - 1, 0), target.model
+    model.reset()
+    model.setup_cache(seq.numel())
+    feats = model.forward(seq, capture_layers=proposer.capture_layers, logits_rows=torch.tensor([seq.numel() - 1])).features
+    proposer.begin(prompt_ids, None if feats is None else feats[:P])
+    parents = np.full((S, max_nodes), -1, np.int32)
+    node_tokens = np.zeros((S, max_nodes), np.int64)
+    depths = np.zeros((S, max_nodes), np.int16)
+    path_lp = np.full((S, max_nodes), -np.inf)
+    matched = np.zeros((S, max_nodes), np.int16)
+    for s in range(S):
+        q = P + s
+        logits = proposer.draft(ar[s], q)
+        on_path = [True]  # the root is AR's token
+        for j, node in enumerate(best_first_nodes(logits.float().log_softmax(-1), max_nodes)):
+            ok = on_path[node.parent] and q + node.depth < seq.numel() and int(seq[q + node.depth]) == node.token
+            on_path.append(ok)
+            parents[s, j], node_tokens[s, j], depths[s, j], path_lp[s, j] = node.parent, node.token, node.depth, node.path_logprob
+            matched[s, j] = node.depth if ok else 0
+        proposer.observe(seq[q:q + 1], None if feats is None else feats[q:q + 1], q)
+    return DraftStreams(P, ar, parents, node_tokens, depths, path_lp, matched)
+
+
+@dataclass
+class Replay:
+    tokens: int  # emitted after the first (prefill's) token
+    modelled_ms: float
+    accept_lengths: list[int]  # accepted drafts + 1, per round
+    tree_sizes: list[int]
+
+
+def fixed_budget(budget: int):
+    return lambda streams, s, context_len: budget
+
+
+def cost_aware(cost_model: VerifyCostModel, max_nodes: int = 128):
+    """CaDDTree's selection (the shipped code) on the recorded stream."""
+    def choose(streams: DraftStreams, s: int, context_len: int) -> int:
+        return len(caddtree_select(streams.nodes(s), cost_model, context_len, max_nodes).nodes)
+    return choose
+
+
+def replay(streams: DraftStreams, choose, cost_model: VerifyCostModel) -> Replay:
+    """Run the rounds a policy would run on this reply; time them with the cost model."""
+    s, ms, accept, sizes = 0, 0.0, [], []
+    width = streams.parents.shape[1]
+    while s < len(streams.tokens) - 1:
+        ctx = streams.prompt_len + s
+        n = min(choose(streams, s, ctx), width)
+        a = streams.accepted(s, n)
+        ms += cost_model.round_ms(n, ctx)
+        accept.append(a + 1)
+        sizes.append(n)
+        s += a + 1
+    return Replay(len(streams.tokens) - 1, ms, accept, sizes)
+
+
+def summarize(replays: list[Replay]) -> dict:
+    tokens = sum(r.tokens for r in replays)
+    rounds = sum(len(r.accept_lengths) for r in replays)
+    ms = sum(r.modelled_ms for r in replays)
+    taus = [float(np.mean(r.accept_lengths)) for r in replays if r.accept_lengths]
+    sizes = [n for r in replays for n in r.tree_sizes]
+    return dict(tau=float(np.mean(taus)) if taus else 0.0, tokens=tokens, rounds=rounds, modelled_s=ms / 1e3,
+                modelled_tokens_per_s=tokens / ms * 1e3 if ms else 0.0, mean_tree_size=float(np.mean(sizes)) if sizes else 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for recording (replay itself is instant)")
+    p.add_argument("--drafter", default=None)
+    p.add_argument("--cost-model", default=None, help="cost model JSON (default: this machine's cached one)")
+    p.add_argument("--budgets", default="4,8,16,32,64,128")
+    p.add_argument("--max-tree-nodes", type=int, default=128)
+    p.add_argument("--datasets", default="gsm8k,humaneval,mtbench")
+    p.add_argument("--limit", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--out", default="runs/replay")
+
+
+def markdown(results: dict) -> str:
+    lines = ["| set | policy | τ | mean tree | modelled tok/s | ÷ best fixed |", "|---|---|---:|---:|---:|---:|"]
+    for ds, rows in results["datasets"].items():
+        best = max(v["modelled_tokens_per_s"] for k, v in rows.items() if k.startswith("ddtree-"))
+        for name, v in rows.items():
+            lines.append(f"| {ds} | {name} | {v['tau']:.2f} | {v['mean_tree_size']:.1f} | "
+                         f"{v['modelled_tokens_per_s']:.1f} | {v['modelled_tokens_per_s'] / best:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for ds, rows in results["datasets"].items():
+        fixed = sorted((v["mean_tree_size"], v["modelled_tokens_per_s"]) for k, v in rows.items() if k.startswith("ddtree-"))
+        line, = ax.plot(*zip(*fixed), marker="o", label=f"{ds}: DDTree fixed budget")
+        c = rows["caddtree"]
+        ax.plot([c["mean_tree_size"]], [c["modelled_tokens_per_s"]], marker="*", markersize=14, color=line.get_color(),
+                linestyle="none", label=f"{ds}: CaDDTree (mean tree)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("draft nodes per round")
+    ax.set_ylabel("modelled tokens/s (replay)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    from ..datasets import load_prompts
+    from ..load import load_target
+    from ..methods import cost_model_path, load_drafter_for
+    from ..proposers import ChainPolicy, DFlashProposer
+    from .methods import parse_datasets
+
+    budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+    if not budgets or min(budgets) < 1 or max(budgets) > args.max_tree_nodes:
+        raise ValueError(f"--budgets must be integers in [1, --max-tree-nodes={args.max_tree_nodes}], got {args.budgets!r}")
+    datasets = parse_datasets(args.datasets)
+    target = load_target(args.model, dtype=args.dtype, threads=args.threads)
+    cost_src = Path(args.cost_model) if args.cost_model else cost_model_path(target)
+    if not cost_src.exists():
+        raise FileNotFoundError(f"no cost model at {cost_src}: run `drafttree profile` first (same --dtype/--threads)")
+    cost_model = VerifyCostModel.load(cost_src)
+    proposer = DFlashProposer(load_drafter_for(target, args.drafter), target.model, ChainPolicy())
+    policies = {f"ddtree-{b}": fixed_budget(b) for b in budgets}
+    policies["caddtree"] = cost_aware(cost_model, args.max_tree_nodes)
+    results = dict(config=dict(model=target.name, dtype=args.dtype, threads=torch.get_num_threads(), cost_model=str(cost_src),
+                               limit=args.limit, max_new_tokens=args.max_new_tokens), datasets={})
+    for ds in datasets:
+        prompts = load_prompts(ds, args.limit)
+        streams = [record_draft_streams(target, proposer, target.encode_chat(p), args.max_new_tokens, args.max_tree_nodes)
+                   for p in tqdm(prompts, desc=f"record {ds}")]
+        results["datasets"][ds] = {name: summarize([replay(st, choose, cost_model) for st in streams])
+                                   for name, choose in policies.items()}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    table = markdown(results)
+    (out / "results.md").write_text(f"# drafttree replay\n\n{json.dumps(results['config'])}\n\n{table}\n")
+    plot(results, out / "replay_tokens_per_s.png")
+    print(table)
+    print(f"drafttree replay: wrote {out}/results.json, results.md, replay_tokens_per_s.png", file=sys.stderr)
+    return 0

@@ -1,0 +1,64 @@
+"""Replay (recorded draft streams) reproduces the real decode loop round for round (fp32, tiny models)."""
+import pytest
+import torch
+
+from drafttree.bench.replay import cost_aware, fixed_budget, record_draft_streams, replay, summarize
+from drafttree.engine import generate_speculative
+from drafttree.load import load_target
+from drafttree.proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy, DFlashProposer
+from spec_helpers import TargetCopyProposer, random_drafter_for
+from test_speculative import prompts, synthetic_cost_model
+
+MAX_NEW = 30
+
+
+def proposers(path, target):
+    """(recording proposer, factory of a real proposer for a policy): a perfect drafter (deep acceptance)
+    and a random DFlash drafter (little acceptance, context features from the target)."""
+    drafter = random_drafter_for(target.model)
+    return {
+        "target-copy": (TargetCopyProposer(path, ChainPolicy()), lambda pol: TargetCopyProposer(path, pol)),
+        "dflash": (DFlashProposer(drafter, target.model, ChainPolicy()), lambda pol: DFlashProposer(drafter, target.model, pol)),
+    }
+
+
+@pytest.mark.parametrize("kind", ["target-copy", "dflash"])
+def test_replay_matches_real_rounds(tiny_checkpoint, kind):
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    recorder, make = proposers(path, target)[kind]
+    cost = synthetic_cost_model()
+    cases = [(fixed_budget(b), lambda b=b: BestFirstPolicy(b)) for b in (1, 4, 16)]
+    cases.append((cost_aware(cost, 32), lambda: CostAwarePolicy(cost, max_tree_nodes=32)))
+    for ids in prompts(2, target.model.config.vocab_size, seed=3):
+        streams = record_draft_streams(target, recorder, ids, MAX_NEW, 32, stop_token_ids=())
+        assert len(streams.tokens) == MAX_NEW
+        for choose, policy in cases:
+            real = generate_speculative(target, ids, make(policy()), MAX_NEW, stop_token_ids=()).stats
+            rep = replay(streams, choose, cost)
+            assert rep.tree_sizes == real.tree_sizes
+            # the last round may accept drafts past max_new_tokens, which replay cannot see
+            assert rep.accept_lengths[:-1] == real.accept_lengths[:-1]
+            assert rep.accept_lengths[-1] <= real.accept_lengths[-1]
+
+
+def test_replay_of_nested_budgets(tiny_checkpoint):
+    """Best-first trees are nested: a bigger budget never accepts fewer tokens in a round."""
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    recorder, _ = proposers(path, target)["target-copy"]
+    streams = record_draft_streams(target, recorder, prompts(1, target.model.config.vocab_size)[0], MAX_NEW, 16,
+                                   stop_token_ids=())
+    for s in range(len(streams.tokens) - 1):
+        acc = [streams.accepted(s, n) for n in range(17)]
+        assert acc == sorted(acc) and acc[0] == 0
+    fixed = [summarize([replay(streams, fixed_budget(b), synthetic_cost_model())]) for b in (1, 4, 16)]
+    assert [f["tau"] for f in fixed] == sorted(f["tau"] for f in fixed)
+    assert all(f["tokens"] == MAX_NEW - 1 for f in fixed)
+
+
+def test_replay_cli_rejects_bad_budgets():
+    from drafttree.cli import main
+
+    assert main(["replay", "--budgets", "0,8"]) == 2
+    assert main(["replay", "--datasets", "nope"]) == 2
