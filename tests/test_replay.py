@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from drafttree.bench.replay import cost_aware, fixed_budget, record_draft_streams, replay, summarize
+import numpy as np
+
+from drafttree.bench.replay import DraftStreams, cost_aware, fixed_budget, record_draft_streams, replay, summarize
 from drafttree.engine import generate_speculative
 from drafttree.load import load_target
 from drafttree.proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy, DFlashProposer
@@ -55,6 +57,22 @@ def test_replay_of_nested_budgets(tiny_checkpoint):
     fixed = [summarize([replay(streams, fixed_budget(b), synthetic_cost_model())]) for b in (1, 4, 16)]
     assert [f["tau"] for f in fixed] == sorted(f["tau"] for f in fixed)
     assert all(f["tokens"] == MAX_NEW - 1 for f in fixed)
+
+
+def test_streams_round_trip_and_acceptance_scale(tiny_checkpoint, tmp_path):
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    recorder, _ = proposers(path, target)["target-copy"]
+    streams = record_draft_streams(target, recorder, prompts(1, target.model.config.vocab_size)[0], MAX_NEW, 16,
+                                   stop_token_ids=())
+    np.savez(tmp_path / "s.npz", **streams.arrays("x/0/"))
+    with np.load(tmp_path / "s.npz", allow_pickle=False) as z:
+        back = DraftStreams.from_arrays(z, "x/0/")
+    cost = synthetic_cost_model()
+    assert replay(back, cost_aware(cost, 16), cost) == replay(streams, cost_aware(cost, 16), cost)
+    adaptive = cost_aware(cost, 16, adapt_acceptance=True)
+    replay(streams, adaptive, cost)
+    assert adaptive.calibrator.accept_scale != 1.0  # it heard the rounds
 
 
 def test_replay_cli_rejects_bad_budgets():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from itertools import islice
@@ -23,6 +24,7 @@ from tqdm.auto import tqdm
 
 from ..costmodel import VerifyCostModel, caddtree_select
 from ..engine import generate_ar
+from ..recalibrate import RoundCalibrator
 from ..tree import TreeNode, best_first_nodes
 
 
@@ -45,6 +47,19 @@ class DraftStreams:
                 return
             yield TreeNode(int(self.parents[s, j]), int(self.node_tokens[s, j]), int(self.depths[s, j]), float("nan"),
                            float(self.path_logprobs[s, j]))
+
+    ARRAYS = ("parents", "node_tokens", "depths", "path_logprobs", "matched_depth")
+
+    def arrays(self, prefix: str) -> dict:
+        """Plain arrays for np.savez (no pickles), keys prefixed."""
+        out = {f"{prefix}{k}": getattr(self, k) for k in self.ARRAYS}
+        out[f"{prefix}tokens"] = np.asarray(self.tokens, np.int64)
+        out[f"{prefix}prompt_len"] = np.asarray(self.prompt_len)
+        return out
+
+    @classmethod
+    def from_arrays(cls, z, prefix: str) -> "DraftStreams":
+        return cls(int(z[f"{prefix}prompt_len"]), z[f"{prefix}tokens"].tolist(), *(z[f"{prefix}{k}"] for k in cls.ARRAYS))
 
     def accepted(self, s: int, n: int) -> int:
         """Draft tokens accepted when the first n nodes of stream s are verified."""
@@ -89,25 +104,50 @@ class Replay:
     tree_sizes: list[int]
 
 
-def fixed_budget(budget: int):
-    return lambda streams, s, context_len: budget
+class FixedBudget:
+    def __init__(self, budget: int):
+        self.budget = budget
+
+    def choose(self, streams: DraftStreams, s: int, context_len: int) -> int:
+        return self.budget
+
+    def observe(self, accepted: int) -> None:
+        pass
 
 
-def cost_aware(cost_model: VerifyCostModel, max_nodes: int = 128):
-    """CaDDTree's selection (the shipped code) on the recorded stream."""
-    def choose(streams: DraftStreams, s: int, context_len: int) -> int:
-        return len(caddtree_select(streams.nodes(s), cost_model, context_len, max_nodes).nodes)
-    return choose
+class CostAware:
+    """CaDDTree's selection (the shipped code) on the recorded stream. With `adapt_acceptance`, the
+    acceptance half of caddtree-online's recalibration (its time half needs a clock)."""
+
+    def __init__(self, cost_model: VerifyCostModel, max_nodes: int = 128, adapt_acceptance: bool = False):
+        self.cost_model, self.max_nodes = cost_model, max_nodes
+        self.calibrator = RoundCalibrator() if adapt_acceptance else None
+        self._phi = 0.0
+
+    def choose(self, streams: DraftStreams, s: int, context_len: int) -> int:
+        scale = 1.0 if self.calibrator is None else self.calibrator.accept_scale
+        sel = caddtree_select(streams.nodes(s), self.cost_model, context_len, self.max_nodes, accept_scale=scale)
+        self._phi = sum(math.exp(n.path_logprob) for n in sel.nodes)
+        return len(sel.nodes)
+
+    def observe(self, accepted: int) -> None:
+        if self.calibrator is not None:
+            self.calibrator.observe_acceptance(self._phi, accepted)
 
 
-def replay(streams: DraftStreams, choose, cost_model: VerifyCostModel) -> Replay:
+fixed_budget = FixedBudget
+cost_aware = CostAware
+
+
+def replay(streams: DraftStreams, policy, cost_model: VerifyCostModel) -> Replay:
     """Run the rounds a policy would run on this reply; time them with the cost model."""
     s, ms, accept, sizes = 0, 0.0, [], []
     width = streams.parents.shape[1]
     while s < len(streams.tokens) - 1:
         ctx = streams.prompt_len + s
-        n = min(choose(streams, s, ctx), width)
+        n = min(policy.choose(streams, s, ctx), width)
         a = streams.accepted(s, n)
+        policy.observe(a)
         ms += cost_model.round_ms(n, ctx)
         accept.append(a + 1)
         sizes.append(n)
@@ -138,6 +178,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--out", default="runs/replay")
+    p.add_argument("--streams", default=None, help="replay streams recorded earlier (an --out's streams.npz) instead of recording")
 
 
 def markdown(results: dict) -> str:
@@ -147,6 +188,10 @@ def markdown(results: dict) -> str:
         for name, v in rows.items():
             lines.append(f"| {ds} | {name} | {v['tau']:.2f} | {v['mean_tree_size']:.1f} | "
                          f"{v['modelled_tokens_per_s']:.1f} | {v['modelled_tokens_per_s'] / best:.3f} |")
+    names = list(next(iter(results["datasets"].values())))
+    mean = {n: float(np.mean([rows[n]["modelled_tokens_per_s"] for rows in results["datasets"].values()])) for n in names}
+    best = max(v for n, v in mean.items() if n.startswith("ddtree-"))
+    lines += [f"| mean | {n} | | | {v:.1f} | {v / best:.3f} |" for n, v in mean.items()]
     return "\n".join(lines)
 
 
@@ -160,9 +205,10 @@ def plot(results: dict, path: Path) -> None:
     for ds, rows in results["datasets"].items():
         fixed = sorted((v["mean_tree_size"], v["modelled_tokens_per_s"]) for k, v in rows.items() if k.startswith("ddtree-"))
         line, = ax.plot(*zip(*fixed), marker="o", label=f"{ds}: DDTree fixed budget")
-        c = rows["caddtree"]
-        ax.plot([c["mean_tree_size"]], [c["modelled_tokens_per_s"]], marker="*", markersize=14, color=line.get_color(),
-                linestyle="none", label=f"{ds}: CaDDTree (mean tree)")
+        for name, marker in (("caddtree", "*"), ("caddtree+accept-scale", "P")):
+            c = rows[name]
+            ax.plot([c["mean_tree_size"]], [c["modelled_tokens_per_s"]], marker=marker, markersize=12, color=line.get_color(),
+                    linestyle="none", label=f"{ds}: {name} (mean tree)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("draft nodes per round")
     ax.set_ylabel("modelled tokens/s (replay)")
@@ -173,8 +219,32 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run(args) -> int:
+def record_all(target, proposer, datasets, args) -> dict[str, list[DraftStreams]]:
+    """Record every prompt of every set; saved to --out/streams.npz for later `--streams` replays."""
     from ..datasets import load_prompts
+
+    streams = {ds: [record_draft_streams(target, proposer, target.encode_chat(p), args.max_new_tokens, args.max_tree_nodes)
+                    for p in tqdm(load_prompts(ds, args.limit), desc=f"record {ds}")] for ds in datasets}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(out / "streams.npz", **{k: v for ds, sts in streams.items() for i, st in enumerate(sts)
+                                                for k, v in st.arrays(f"{ds}/{i}/").items()})
+    return streams
+
+
+def load_streams(path, datasets) -> dict[str, list[DraftStreams]]:
+    with np.load(path, allow_pickle=False) as z:
+        keys = set(z.files)
+        streams = {}
+        for ds in datasets:
+            n = sum(1 for k in keys if k.startswith(f"{ds}/") and k.endswith("/prompt_len"))
+            if n == 0:
+                raise ValueError(f"{path} holds no recorded streams for {ds!r}: record them first (drop --streams)")
+            streams[ds] = [DraftStreams.from_arrays(z, f"{ds}/{i}/") for i in range(n)]
+    return streams
+
+
+def run(args) -> int:
     from ..load import load_target
     from ..methods import cost_model_path, load_drafter_for
     from ..proposers import ChainPolicy, DFlashProposer
@@ -189,17 +259,18 @@ def run(args) -> int:
     if not cost_src.exists():
         raise FileNotFoundError(f"no cost model at {cost_src}: run `drafttree profile` first (same --dtype/--threads)")
     cost_model = VerifyCostModel.load(cost_src)
-    proposer = DFlashProposer(load_drafter_for(target, args.drafter), target.model, ChainPolicy())
-    policies = {f"ddtree-{b}": fixed_budget(b) for b in budgets}
-    policies["caddtree"] = cost_aware(cost_model, args.max_tree_nodes)
+    proposer = None if args.streams else DFlashProposer(load_drafter_for(target, args.drafter), target.model, ChainPolicy())
+    policies = {f"ddtree-{b}": lambda b=b: FixedBudget(b) for b in budgets}
+    policies["caddtree"] = lambda: CostAware(cost_model, args.max_tree_nodes)
+    policies["caddtree+accept-scale"] = lambda: CostAware(cost_model, args.max_tree_nodes, adapt_acceptance=True)
     results = dict(config=dict(model=target.name, dtype=args.dtype, threads=torch.get_num_threads(), cost_model=str(cost_src),
                                limit=args.limit, max_new_tokens=args.max_new_tokens), datasets={})
-    for ds in datasets:
-        prompts = load_prompts(ds, args.limit)
-        streams = [record_draft_streams(target, proposer, target.encode_chat(p), args.max_new_tokens, args.max_tree_nodes)
-                   for p in tqdm(prompts, desc=f"record {ds}")]
-        results["datasets"][ds] = {name: summarize([replay(st, choose, cost_model) for st in streams])
-                                   for name, choose in policies.items()}
+    streams = load_streams(args.streams, datasets) if args.streams else record_all(target, proposer, datasets, args)
+    results["datasets"] = {ds: {} for ds in datasets}
+    for name, make in policies.items():
+        policy = make()  # one instance through all sets in order, as `drafttree bench` keeps its proposers
+        for ds in datasets:
+            results["datasets"][ds][name] = summarize([replay(st, policy, cost_model) for st in streams[ds]])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
