@@ -1,10 +1,8 @@
 """Replay (recorded draft streams) reproduces the real decode loop round for round (fp32, tiny models)."""
-import pytest
-import torch
-
 import numpy as np
+import pytest
 
-from drafttree.bench.replay import DraftStreams, cost_aware, fixed_budget, record_draft_streams, replay, summarize
+from drafttree.bench.replay import CostAware, DraftStreams, FixedBudget, record_draft_streams, replay, summarize
 from drafttree.engine import generate_speculative
 from drafttree.load import load_target
 from drafttree.proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy, DFlashProposer
@@ -30,8 +28,8 @@ def test_replay_matches_real_rounds(tiny_checkpoint, kind):
     target = load_target(str(path))
     recorder, make = proposers(path, target)[kind]
     cost = synthetic_cost_model()
-    cases = [(fixed_budget(b), lambda b=b: BestFirstPolicy(b)) for b in (1, 4, 16)]
-    cases.append((cost_aware(cost, 32), lambda: CostAwarePolicy(cost, max_tree_nodes=32)))
+    cases = [(FixedBudget(b), lambda b=b: BestFirstPolicy(b)) for b in (1, 4, 16)]
+    cases.append((CostAware(cost, 32), lambda: CostAwarePolicy(cost, max_tree_nodes=32)))
     for ids in prompts(2, target.model.config.vocab_size, seed=3):
         streams = record_draft_streams(target, recorder, ids, MAX_NEW, 32, stop_token_ids=())
         assert len(streams.tokens) == MAX_NEW
@@ -54,7 +52,7 @@ def test_replay_of_nested_budgets(tiny_checkpoint):
     for s in range(len(streams.tokens) - 1):
         acc = [streams.accepted(s, n) for n in range(17)]
         assert acc == sorted(acc) and acc[0] == 0
-    fixed = [summarize([replay(streams, fixed_budget(b), synthetic_cost_model())]) for b in (1, 4, 16)]
+    fixed = [summarize([replay(streams, FixedBudget(b), synthetic_cost_model())]) for b in (1, 4, 16)]
     assert [f["tau"] for f in fixed] == sorted(f["tau"] for f in fixed)
     assert all(f["tokens"] == MAX_NEW - 1 for f in fixed)
 
@@ -69,8 +67,8 @@ def test_streams_round_trip_and_acceptance_scale(tiny_checkpoint, tmp_path):
     with np.load(tmp_path / "s.npz", allow_pickle=False) as z:
         back = DraftStreams.from_arrays(z, "x/0/")
     cost = synthetic_cost_model()
-    assert replay(back, cost_aware(cost, 16), cost) == replay(streams, cost_aware(cost, 16), cost)
-    adaptive = cost_aware(cost, 16, adapt_acceptance=True)
+    assert replay(back, CostAware(cost, 16), cost) == replay(streams, CostAware(cost, 16), cost)
+    adaptive = CostAware(cost, 16, adapt_acceptance=True)
     replay(streams, adaptive, cost)
     assert adaptive.calibrator.accept_scale != 1.0  # it heard the rounds
 

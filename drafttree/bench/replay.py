@@ -15,7 +15,6 @@ import json
 import math
 import sys
 from dataclasses import dataclass
-from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -87,7 +86,7 @@ def record_draft_streams(target, proposer, prompt_ids: torch.Tensor, max_new_tok
         q = P + s
         logits = proposer.draft(ar[s], q)
         on_path = [True]  # the root is AR's token
-        for j, node in enumerate(best_first_nodes(logits.float().log_softmax(-1), max_nodes)):
+        for j, node in enumerate(best_first_nodes(logits.log_softmax(-1), max_nodes)):  # as the policies build trees
             ok = on_path[node.parent] and q + node.depth < seq.numel() and int(seq[q + node.depth]) == node.token
             on_path.append(ok)
             parents[s, j], node_tokens[s, j], depths[s, j], path_lp[s, j] = node.parent, node.token, node.depth, node.path_logprob
@@ -134,9 +133,6 @@ class CostAware:
         if self.calibrator is not None:
             self.calibrator.observe_acceptance(self._phi, accepted)
 
-
-fixed_budget = FixedBudget
-cost_aware = CostAware
 
 
 def replay(streams: DraftStreams, policy, cost_model: VerifyCostModel) -> Replay:
