@@ -126,7 +126,8 @@ class CostAware:
     def choose(self, streams: DraftStreams, s: int, context_len: int) -> int:
         scale = 1.0 if self.calibrator is None else self.calibrator.accept_scale
         sel = caddtree_select(streams.nodes(s), self.cost_model, context_len, self.max_nodes, accept_scale=scale)
-        self._phi = sum(math.exp(n.path_logprob) for n in sel.nodes)
+        if self.calibrator is not None:  # Φ as the drafter predicted it, for the acceptance ratio
+            self._phi = sum(math.exp(n.path_logprob) for n in sel.nodes)
         return len(sel.nodes)
 
     def observe(self, accepted: int) -> None:
@@ -244,11 +245,11 @@ def run(args) -> int:
     from ..load import load_target
     from ..methods import cost_model_path, load_drafter_for
     from ..proposers import ChainPolicy, DFlashProposer
-    from .methods import parse_datasets
+    from .methods import parse_datasets, parse_variants
 
-    budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
-    if not budgets or min(budgets) < 1 or max(budgets) > args.max_tree_nodes:
-        raise ValueError(f"--budgets must be integers in [1, --max-tree-nodes={args.max_tree_nodes}], got {args.budgets!r}")
+    budgets = [v.budget for v in parse_variants(["ddtree"], args.budgets) if v.method == "ddtree"]
+    if max(budgets) > args.max_tree_nodes:
+        raise ValueError(f"--budgets must not exceed --max-tree-nodes={args.max_tree_nodes}, got {args.budgets!r}")
     datasets = parse_datasets(args.datasets)
     target = load_target(args.model, dtype=args.dtype, threads=args.threads)
     cost_src = Path(args.cost_model) if args.cost_model else cost_model_path(target)
