@@ -10,7 +10,9 @@ import importlib.metadata
 import os
 import re
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +120,18 @@ def gguf_to_hf_tensors(reader) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, config
 
 
+STALE_S = 600  # a conversion takes ~25 s: an older temporary was left by a killed run, not one in progress
+
+
+def _remove_stale_temporaries(parent: Path, name: str) -> None:
+    for d in parent.glob(f".{name}-*"):
+        try:
+            if d.is_dir() and time.time() - d.stat().st_mtime > STALE_S:
+                shutil.rmtree(d, ignore_errors=True)
+        except FileNotFoundError:  # another process removed it first
+            pass
+
+
 def convert_embedded(name: str, force: bool = False) -> Path:
     """Path of the converted checkpoint directory for an embedded model (converting it on first use)."""
     import gguf
@@ -129,6 +143,8 @@ def convert_embedded(name: str, force: bool = False) -> Path:
         return out
     src = find_embedded_gguf(name)
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(out.parent, name)
+    print(f"drafttree: converting {src.name} into {out} (about 25 s, once)", file=sys.stderr)
     # Write into a temporary sibling and rename at the end: never leave a half-written model behind.
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
     try:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..atomic import atomic_path, atomic_write_text
 from ..costmodel import VerifyCostModel, caddtree_select
 from ..engine import generate_ar
 from ..recalibrate import RoundCalibrator
@@ -212,7 +213,8 @@ def plot(results: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
 
 
@@ -224,8 +226,9 @@ def record_all(target, proposer, datasets, args) -> dict[str, list[DraftStreams]
                     for p in tqdm(load_prompts(ds, args.limit), desc=f"record {ds}")] for ds in datasets}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(out / "streams.npz", **{k: v for ds, sts in streams.items() for i, st in enumerate(sts)
-                                                for k, v in st.arrays(f"{ds}/{i}/").items()})
+    with atomic_path(out / "streams.npz") as tmp:  # keeps the .npz suffix, which np.savez would otherwise add
+        np.savez_compressed(tmp, **{k: v for ds, sts in streams.items() for i, st in enumerate(sts)
+                                    for k, v in st.arrays(f"{ds}/{i}/").items()})
     return streams
 
 
@@ -270,9 +273,9 @@ def run(args) -> int:
             results["datasets"][ds][name] = summarize([replay(st, policy, cost_model) for st in streams[ds]])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    atomic_write_text(out / "results.json", json.dumps(results, indent=1))
     table = markdown(results)
-    (out / "results.md").write_text(f"# drafttree replay\n\n{json.dumps(results['config'])}\n\n{table}\n")
+    atomic_write_text(out / "results.md", f"# drafttree replay\n\n{json.dumps(results['config'])}\n\n{table}\n")
     plot(results, out / "replay_tokens_per_s.png")
     print(table)
     print(f"drafttree replay: wrote {out}/results.json, results.md, replay_tokens_per_s.png", file=sys.stderr)

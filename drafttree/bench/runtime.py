@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..atomic import atomic_path, atomic_write_text
+
 PROMPT_SETS = ("gsm8k", "humaneval", "mtbench")
 DTYPE_NAMES = ("float32", "bfloat16")
 SHORT = {"float32": "fp32", "bfloat16": "bf16"}
@@ -242,7 +244,8 @@ def plot_curves(curves: dict[str, list[dict]], path: Path) -> None:
     ax_ms.set_title("forward cost")
     ax_ratio.set_title("relative to one token")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
 
 
 def markdown(results: dict) -> str:
@@ -304,11 +307,11 @@ def write_outputs(results: dict, out_dir) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md"}
-    paths["json"].write_text(json.dumps(results, indent=2))
+    atomic_write_text(paths["json"], json.dumps(results, indent=2))
     if results.get("curves"):
         paths["png"] = out / "cost_curve.png"
         plot_curves(results["curves"], paths["png"])
-    paths["md"].write_text(markdown(results))
+    atomic_write_text(paths["md"], markdown(results))
     return paths
 
 

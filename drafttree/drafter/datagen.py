@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..atomic import atomic_write_text
 from ..datasets import CODE_INSTRUCTION, MATH_INSTRUCTION
 from ..sampling import SamplingParams, next_token
 from .data import FeatureShardWriter
@@ -207,7 +208,7 @@ def main(argv=None) -> int:
             writer.add(toks, feats, mask)
             tokens_total += toks.numel() - plen
         writer.flush()  # a shard per batch: progress below never claims unwritten data
-        progress_file.write_text(json.dumps({"prompts_done": min(start + a.batch, len(prompts)), "total": len(prompts)}))
+        atomic_write_text(progress_file, json.dumps({"prompts_done": min(start + a.batch, len(prompts)), "total": len(prompts)}))
         bar.update(min(a.batch, len(prompts) - start))
         bar.set_postfix(reply_tokens=tokens_total)
     bar.close()

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from drafttree.atomic import atomic_path, atomic_write_text
 from drafttree.drafter.checkpoint import load_drafter, save_drafter
 from drafttree.drafter.data import FeatureDataset
 from drafttree.drafter.loss import linear_cross_entropy
@@ -247,7 +248,8 @@ def save_plots(metrics: list[dict], out: Path) -> None:
     ax[1].plot(steps, [m["lr"] for m in metrics])
     ax[1].set_xlabel("step"), ax[1].set_title("learning rate")
     fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=100)
+    with atomic_path(out / "loss.png") as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
@@ -258,7 +260,8 @@ def save_plots(metrics: list[dict], out: Path) -> None:
     ax[1].plot(range(1, acc.shape[1] + 1), acc[-1], marker="o")
     ax[1].set_xlabel("block position"), ax[1].set_ylim(0, 1), ax[1].set_title(f"accuracy at step {steps[-1]}")
     fig.tight_layout()
-    fig.savefig(out / "accuracy.png", dpi=100)
+    with atomic_path(out / "accuracy.png") as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
 
 
@@ -430,7 +433,7 @@ def _write_checkpoint(out: Path, drafter, opt, state: dict) -> None:
         final.rename(old)
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
-    (out / "metrics.json").write_text(json.dumps(state["metrics"], indent=1) + "\n")
+    atomic_write_text(out / "metrics.json", json.dumps(state["metrics"], indent=1) + "\n")
     save_plots(state["metrics"], out)
 
 
