@@ -29,26 +29,23 @@ def _sampling(a) -> SamplingParams:
 def cmd_generate(a) -> int:
     from .engine import generate_ar
     from .load import load_target
+    from .streaming import TextStream
 
     target = load_target(a.model, dtype=a.dtype, threads=a.threads)
     ids = target.encode(a.prompt) if a.no_chat else target.encode_chat(a.prompt, system=a.system)
-    printed = []
+    text = TextStream(target.tokenizer)
 
-    def stream(tokens):  # decode the whole text each time: BPE pieces only make sense together
-        printed.extend(tokens)
-        text = target.decode(printed)
-        sys.stdout.write(text[len(stream.shown):])
+    def stream(tokens):
+        sys.stdout.write(text.push(tokens))  # complete characters only: no U+FFFD for a split emoji
         sys.stdout.flush()
-        stream.shown = text
 
-    stream.shown = ""
     if a.method != "ar":
         from .methods import generate_with
 
         result = generate_with(a.method, target, ids, a, on_tokens=stream)
     else:
         result = generate_ar(target, ids, a.max_new_tokens, _sampling(a), on_tokens=stream)
-    print()
+    print(text.finish())
     print(result.stats.line(), file=sys.stderr)
     return 0
 
@@ -172,16 +169,55 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("what", choices=["data", "drafter"])
     t.add_argument("rest", nargs=argparse.REMAINDER)
     t.set_defaults(func=cmd_train)
+
+    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    for sp in sub.choices.values():  # `drafttree generate ... --debug` too; SUPPRESS keeps the top-level value
+        if sp is not t:  # train passes everything after its first word on
+            sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     return p
+
+
+def check_args(a) -> None:
+    """Every check that needs no model, for whichever of these options the command has: run before
+    anything is loaded, so a bad value costs a second, not a model load. (Method and prompt-set names are
+    checked by the commands themselves, also before loading.)"""
+    from .validate import check_int, check_model_dir, check_positive_int, check_sampling, check_threads
+
+    if hasattr(a, "temperature"):
+        check_sampling(a.temperature, a.top_p, a.top_k)
+    check_threads(getattr(a, "threads", None))
+    for name in ("max_new_tokens", "limit", "budget", "prompts", "max_tree_nodes", "repeats"):
+        if getattr(a, name, None) is not None:
+            check_positive_int("--" + name.replace("_", "-"), getattr(a, name))
+    if getattr(a, "warmup_tokens", None) is not None:
+        check_int("--warmup-tokens", a.warmup_tokens, minimum=0)
+    if getattr(a, "model", None):
+        check_model_dir(a.model)
+    if getattr(a, "drafter", None):
+        from .drafter.checkpoint import load_drafter_config
+
+        load_drafter_config(a.drafter)
+    if getattr(a, "cost_model", None):
+        from .costmodel import VerifyCostModel
+
+        VerifyCostModel.load(a.cost_model)  # a FileNotFoundError names the path
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_args(args)
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"drafttree: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # includes JSONDecodeError, UnicodeDecodeError, FileNotFoundError, InputError
+        if args.debug:
+            raise
+        print(f"drafttree: error: {str(e).replace(chr(10), ' ')}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("drafttree: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

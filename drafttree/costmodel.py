@@ -13,12 +13,20 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from itertools import islice
+from pathlib import Path
 from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 from scipy.optimize import minimize, nnls
 
+from .atomic import atomic_path, atomic_write_text
 from .tree import DraftTree, TreeNode, best_first_nodes
+from .validate import InputError, check_cost_model
+
+
+class CostModelError(InputError):
+    """A cost-model file that cannot be used."""
+
 
 # ---- convex monotone piecewise-linear curves ----------------------------------------------
 
@@ -234,13 +242,23 @@ class VerifyCostModel:
                    float(d["draft_ms"]), float(d["draft_ms_per_context_token"]), d.get("measurements", {}))
 
     def save(self, path) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1))  # a killed profile leaves no truncated JSON
 
     @classmethod
     def load(cls, path) -> "VerifyCostModel":
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        """The model in `path`, checked (see validate.check_cost_model); a broken file raises a CostModelError
+        that names it and the command that rebuilds it."""
+        rebuild = f"rebuild it with `drafttree profile --out {path}` (same --model, --dtype and --threads)"
+        try:
+            model = cls.from_dict(json.loads(Path(path).read_bytes()))
+            check_cost_model(model)
+        except json.JSONDecodeError as e:
+            raise CostModelError(f"{path}: the cost model is not valid JSON, perhaps truncated ({e}); {rebuild}") from None
+        except KeyError as e:
+            raise CostModelError(f"{path}: the cost model lacks the key {e}; {rebuild}") from None
+        except (ValueError, TypeError, AttributeError) as e:
+            raise CostModelError(f"{path}: not a usable cost model ({e}); {rebuild}") from None
+        return model
 
     def plot(self, path, title: str = "verify cost") -> None:
         """Measured medians (points) and convex fits (lines), one colour per context length."""
@@ -263,7 +281,8 @@ class VerifyCostModel:
         ax.set_title(f"{title}; draft {self.draft_ms:.2f} ms + {self.draft_ms_per_context_token:.2g} ms/ctx token")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=120)
 
 
 # ---- profiling -----------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .validate import check_sampling
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -18,12 +20,7 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        check_sampling(self.temperature, self.top_p, self.top_k)
 
     @property
     def greedy(self) -> bool:

@@ -21,9 +21,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..atomic import atomic_write_text
 from ..datasets import load_prompts
 from ..engine import generate_ar
 from ..methods import COST_AWARE, METHODS, generate, make_proposer
+from ..validate import InputError, check_positive_int
+from .methods import parse_datasets
 
 NEAR_TIE = 1e-4  # logit units: fp32 rounding differences between one-token and batched forwards are ~1e-5
 
@@ -146,11 +149,18 @@ def run(a) -> int:
     from ..methods import load_drafter_for, load_or_profile_cost_model
     from ..proposers import ChainPolicy, DFlashProposer
 
-    methods = [m for m in a.methods.split(",") if m]
+    # everything that needs no model is checked first: a typo must not cost a model load
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS[1:]]
-    if bad:
-        raise ValueError(f"unknown speculative methods {bad}: choose from {', '.join(METHODS[1:])}")
-    prompts = {d: load_prompts(d, a.limit) for d in a.datasets.split(",") if d}
+    if bad or not methods:
+        raise InputError(f"unknown speculative methods {bad}: choose from {', '.join(METHODS[1:])}" if bad else
+                         f"--methods is empty: name at least one of {', '.join(METHODS[1:])}")
+    for name in ("limit", "max_new_tokens", "budget"):
+        if getattr(a, name) is not None:
+            check_positive_int("--" + name.replace("_", "-"), getattr(a, name))
+    prompts = {d: load_prompts(d, a.limit) for d in parse_datasets(a.datasets)}
+    if not any(prompts.values()):
+        raise InputError(f"no prompts to check in --datasets {a.datasets!r}")
     target = load_target(a.model, dtype=a.dtype, threads=a.threads)
     drafter = load_drafter_for(target, a.drafter)
     cost_model = None
@@ -163,12 +173,16 @@ def run(a) -> int:
                         budget=a.budget)
     config = dict(model=target.name, dtype=a.dtype, max_new_tokens=a.max_new_tokens, threads=torch.get_num_threads(),
                   drafter=a.drafter or "shipped", sets={d: len(p) for d, p in prompts.items()})
-    (out / "results.json").write_text(json.dumps(dict(config=config, results=results), indent=1) + "\n")
+    atomic_write_text(out / "results.json", json.dumps(dict(config=config, results=results), indent=1) + "\n")
     md = markdown(results, config)
-    (out / "results.md").write_text(md)
+    atomic_write_text(out / "results.md", md)
     print(md)
+    checked = sum(r["prompts"] for rows in results.values() for r in rows.values())
     mismatches = sum(r["mismatches"] for rows in results.values() for r in rows.values())
     bugs = mismatches - sum(r["near_ties"] for rows in results.values() for r in rows.values())
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'}; {mismatches} mismatching prompts, "
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}; {checked} prompt runs checked, {mismatches} mismatching, "
           f"{bugs} not explained by an fp32 near-tie", file=sys.stderr)
+    if checked == 0:  # a check of nothing must not pass as a check
+        print("drafttree check-lossless: FAILED: no prompt was checked", file=sys.stderr)
+        return 1
     return 1 if bugs else 0

@@ -29,8 +29,10 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_path, atomic_write_text
 from ..methods import COST_AWARE, METHODS, generate, make_proposer
 from ..sampling import SamplingParams
+from ..validate import InputError, check_positive_int
 
 DATASETS = ("humaneval", "gsm8k", "mtbench")
 DEFAULT_OUT = "runs/bench-methods"
@@ -357,7 +359,8 @@ def plot_vs_budget(results: dict, key: str, ylabel: str, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
 
 
 def plot_tree_sizes(results: dict, path: Path) -> None:
@@ -381,7 +384,8 @@ def plot_tree_sizes(results: dict, path: Path) -> None:
     ax.set_title("CaDDTree: chosen tree size per round")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
 
 
 def plot_accept_lengths(results: dict, path: Path) -> None:
@@ -406,15 +410,15 @@ def plot_accept_lengths(results: dict, path: Path) -> None:
         ax.set_xlabel("tokens per round")
         ax.set_ylabel("share of rounds")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
 
 
 def write_outputs(results: dict, out: Path, log=print) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "results.json", out / "results.md"]
-    with open(written[0], "w") as f:
-        json.dump(results, f, indent=1)
-    written[1].write_text(markdown_report(results))
+    atomic_write_text(written[0], json.dumps(results, indent=1))
+    atomic_write_text(written[1], markdown_report(results))
     kinds = {r["kind"] for r in results["mean_over_datasets"].values()}
     if kinds & {"ddtree", "chain", *COST_AWARE}:
         for key, label, name in (("tau", "τ (mean acceptance length)", "tau_vs_budget.png"),
@@ -473,10 +477,15 @@ def run(args) -> int:
     from ..load import load_target
     from ..methods import load_drafter_for, load_or_profile_cost_model
 
-    datasets = parse_datasets(args.datasets)
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {args.limit}")
-    variants = parse_variants(args.methods, args.budgets)  # validate before loading anything
+    datasets = parse_datasets(args.datasets)  # validate everything before loading anything
+    if not datasets:
+        raise InputError(f"--datasets is empty: name at least one of {', '.join(DATASETS)}")
+    for name in ("limit", "max_new_tokens"):
+        if getattr(args, name) is not None:
+            check_positive_int("--" + name.replace("_", "-"), getattr(args, name))
+    if not args.methods.strip(", "):
+        raise InputError(f"--methods is empty: name at least one of {', '.join(METHODS)}")
+    variants = parse_variants(args.methods, args.budgets)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     prompts = {d: load_prompts(d, args.limit) for d in datasets}
 

@@ -16,14 +16,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from drafttree.atomic import atomic_path, atomic_write_text
 from drafttree.drafter.model import DFlashConfig, DFlashDrafter
+from drafttree.validate import InputError, check_drafter_config, read_json
 
 # names used by other drafter families for the same tensors (vLLM maps them the same way)
 ALIASES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
 
 
-class CheckpointError(ValueError):
-    pass
+class CheckpointError(InputError):
+    """A drafter directory that cannot be loaded."""
 
 
 def config_to_dict(cfg: DFlashConfig) -> dict:
@@ -56,6 +58,9 @@ def config_to_dict(cfg: DFlashConfig) -> dict:
 
 
 def config_from_dict(d: dict) -> DFlashConfig:
+    if not isinstance(d, dict):
+        raise CheckpointError(f"a drafter config must be a JSON object, got {type(d).__name__}")
+    check_drafter_config(d)  # DFlashConfig would quietly int() a float layer id
     dc = dict(d.get("dflash_config") or {})
     rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -102,8 +107,10 @@ def save_drafter(drafter: DFlashDrafter, path: str | Path, dtype: torch.dtype | 
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         tensors[name] = t.contiguous().cpu()
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config_to_dict(drafter.config), indent=2) + "\n")
+    # each file renamed into place when complete, weights first: a config.json never points at missing weights
+    with atomic_path(path / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    atomic_write_text(path / "config.json", json.dumps(config_to_dict(drafter.config), indent=2) + "\n")
     return path
 
 
@@ -124,13 +131,22 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def load_drafter_config(path: str | Path) -> DFlashConfig:
+    """The checked config of a drafter directory (cheap: the CLI calls it before loading any model)."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path}: no config.json (expected a DFlash drafter directory)")
+    try:
+        return config_from_dict(read_json(cfg_file, "the drafter config"))
+    except (KeyError, ValueError) as e:  # name the file: the checks themselves only know the field
+        msg = f"lacks the key {e}" if isinstance(e, KeyError) else str(e).removeprefix(f"{cfg_file}: ")
+        raise CheckpointError(f"{cfg_file}: {msg}") from None
+
+
 def load_drafter(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> DFlashDrafter:
     """Load a drafter directory (published DFlash layout or saved by drafttree)."""
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise CheckpointError(f"{path}: no config.json")
-    cfg = config_from_dict(json.loads(cfg_file.read_text()))
+    cfg = load_drafter_config(path)
     tensors = {}
     for name, t in read_tensors(path).items():
         name = name.removeprefix("model.")  # tolerate a `model.` prefix from HF-style exports

@@ -1,0 +1,143 @@
+"""Checks of user input, run before any model is loaded: a bad value fails in a second with one clear
+line instead of minutes later inside a forward pass (or never, as a silently wrong result).
+
+Used by the command line (drafttree.cli) and the Python API (SamplingParams, cost-model and drafter loading).
+"""
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import sys
+from pathlib import Path
+
+
+class InputError(ValueError):
+    """A bad argument or input file; the CLI prints it as one line, without a traceback."""
+
+
+_warned: set[str] = set()
+
+
+def warn(message: str) -> None:
+    """Once per message: the CLI checks a file before loading and the loader checks it again."""
+    if message not in _warned:
+        _warned.add(message)
+        print(f"drafttree: warning: {message}", file=sys.stderr)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # True is an int to Python, not to us
+
+
+def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    if not _is_int(value):
+        raise InputError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise InputError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise InputError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def check_positive_int(name: str, value) -> int:
+    return check_int(name, value, minimum=1)
+
+
+def check_finite(name: str, value) -> float:
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise InputError(f"{name} must be a finite number, got {value!r}")
+
+
+def check_sampling(temperature, top_p, top_k) -> None:
+    """temperature >= 0 (0 = greedy), 0 < top_p <= 1, top_k >= 0 (0 = off); nan and inf are refused:
+    nan compares false with everything, so it would slip through plain range checks."""
+    if check_finite("temperature", temperature) < 0:
+        raise InputError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0.0 < check_finite("top_p", top_p) <= 1.0:
+        raise InputError(f"top_p must be in (0, 1], got {top_p}")
+    check_int("top_k", top_k, minimum=0)
+
+
+def check_threads(n) -> int | None:
+    """None means all cores; more threads than cores only makes them wait for each other."""
+    if n is None:
+        return None
+    check_int("threads", n, minimum=1)
+    cores = os.cpu_count() or 1
+    if n > cores:
+        warn(f"{n} threads on {cores} CPU cores: threads will compete; {cores} or fewer is faster")
+    return n
+
+
+def read_json(path, what: str, rebuild: str | None = None):
+    """JSON of `path`, or an InputError naming the file (and how to rebuild it) when it is not JSON."""
+    path = Path(path)
+    hint = f"; {rebuild}" if rebuild else ""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: {what} is not valid JSON ({e}){hint}") from None
+
+
+def check_model_dir(name_or_path: str) -> None:
+    """A checkpoint directory's config.json must at least be a JSON object (the loader's own error for a
+    broken one is a transformers traceback)."""
+    from .gguf_convert import EMBEDDED
+
+    config = Path(name_or_path) / "config.json"
+    if name_or_path in EMBEDDED or not config.is_file():
+        return  # embedded, or not a directory: load_target's own message says what is expected
+    if not isinstance(read_json(config, "the model config"), dict):
+        raise InputError(f"{config}: the model config must be a JSON object")
+
+
+# ---- cost models ---------------------------------------------------------------------------------
+
+MAX_MS = 1e5  # 100 s for one forward or one draft: no profile of a working machine says that
+
+
+def check_cost_model(model) -> None:
+    """A VerifyCostModel a CaDDTree policy can use. ConvexCost already refuses non-finite, decreasing or
+    concave curves; here: the draft cost is finite and >= 0, every curve costs > 0 and rises with the
+    tokens verified (a flat curve makes every tree look free, so trees would always grow to the cap),
+    and nothing is absurdly large (a unit mix-up, seconds or µs for ms)."""
+    for name in ("draft_ms", "draft_ms_per_context_token"):
+        value = check_finite(name, getattr(model, name))
+        if not 0 <= value <= MAX_MS:
+            raise InputError(f"{name} must be in [0, {MAX_MS:g}] ms, got {value}")
+    for ctx, curve in zip(model.context_lens, model.curves):
+        v = curve.values
+        if v[0] <= 0 or v[-1] > MAX_MS:
+            raise InputError(f"verify curve at context {ctx}: costs must be in (0, {MAX_MS:g}] ms, got {v[0]}..{v[-1]}")
+        if len(v) < 2 or v[-1] <= v[0]:
+            raise InputError(f"verify curve at context {ctx} is flat ({v[0]} ms for every tree size): "
+                             "it needs measurements at more than one token count")
+
+
+# ---- drafter configs -----------------------------------------------------------------------------
+
+MAX_BLOCK_SIZE = 64  # positions drafted per forward; beyond this the last ones are essentially never accepted
+LARGE_BLOCK_SIZE = 32
+
+
+def check_drafter_config(d: dict) -> None:
+    """The fields of a DFlash drafter config.json that sizes and indices are built from."""
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        check_positive_int(f"drafter config {key}", d.get(key))
+    dc = d.get("dflash_config") or {}
+    block = d.get("block_size", dc.get("block_size"))
+    if block is not None:
+        check_int("drafter config block_size", block, 2, MAX_BLOCK_SIZE)
+        if block > LARGE_BLOCK_SIZE:
+            warn(f"drafter block_size {block} is large: each draft forward pays for {block - 1} positions")
+    layers = dc.get("target_layer_ids", d.get("target_layer_ids"))
+    if layers is not None:
+        if not isinstance(layers, list):
+            raise InputError(f"drafter config target_layer_ids must be a list of layer indices, got {layers!r}")
+        for i in layers:
+            check_int("drafter config target_layer_ids entry", i, minimum=0)
+        if len(set(layers)) != len(layers):
+            raise InputError(f"drafter config target_layer_ids has duplicates: {layers}")
