@@ -34,18 +34,26 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", threads: int | None = None) -> Target:
-    """Load a target model with its tokenizer.
+def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = None, threads: int | None = None,
+                compute: str | None = None) -> Target:
+    """Load a target model with its tokenizer, on a compute path (see drafttree.compute).
 
     `name_or_path` is an embedded model name (see `EMBEDDED`) or a directory with config.json,
-    *.safetensors and tokenizer files of a supported family.
+    *.safetensors and tokenizer files of a supported family. `compute` is "auto" (the fastest path
+    on this CPU, what the CLI uses), "fp32", "bf16" or "int8"; a `dtype` alone selects fp32 or bf16;
+    with neither, the fp32 reference path.
     """
     from transformers import AutoConfig, AutoTokenizer
 
+    from .compute import choose_compute
+    from .model.linear import quantize_target
     from .model.weights import read_safetensors_dir
 
     torch.set_num_threads(threads or int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)
-    torch_dtype = resolve_dtype(dtype)
+    if compute is None:
+        compute = {torch.float32: "fp32", torch.bfloat16: "bf16"}[resolve_dtype(dtype or "float32")]
+    choice = choose_compute(compute)
+    torch_dtype = choice.dtype
     if name_or_path in EMBEDDED:
         path = convert_embedded(name_or_path)
     else:
@@ -64,5 +72,7 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "f
     if hf_config.model_type not in builders:
         raise ValueError(f"unsupported architecture {hf_config.model_type!r}: supported are {sorted(builders)}")
     model = builders[hf_config.model_type](hf_config, read_safetensors_dir(path), torch_dtype)
+    if choice.path == "int8":
+        quantize_target(model, choice.isa)
     tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer_config.json").exists() else None
-    return Target(model=model, tokenizer=tokenizer, name=str(name_or_path))
+    return Target(model=model, tokenizer=tokenizer, name=str(name_or_path), compute=choice)

@@ -29,6 +29,10 @@ def load_drafter_for(target: Target, path: str | Path | None = None):
     from .drafter.checkpoint import load_drafter
 
     drafter = load_drafter(path or default_drafter_path(target), dtype=target.model.dtype)
+    if target.compute is not None and target.compute.path == "int8":  # the drafter runs on the target's path
+        from .model.linear import quantize_linears
+
+        quantize_linears(drafter, target.compute.isa)
     cfg, tcfg = drafter.config, target.model.config
     if cfg.vocab_size != tcfg.vocab_size or cfg.target_hidden_size != tcfg.hidden_size:
         raise ValueError(f"drafter (vocab {cfg.vocab_size}, target hidden {cfg.target_hidden_size}) does not fit "
@@ -40,7 +44,8 @@ def load_drafter_for(target: Target, path: str | Path | None = None):
 
 def cost_model_path(target: Target) -> Path:
     name = Path(target.name).name
-    return cache_root() / "costmodels" / f"{name}-{str(target.model.dtype).removeprefix('torch.')}-t{torch.get_num_threads()}.json"
+    isa = f"-{target.compute.isa}" if target.compute is not None and target.compute.isa else ""
+    return cache_root() / "costmodels" / f"{name}-{target.compute_path}{isa}-t{torch.get_num_threads()}.json"
 
 
 def load_or_profile_cost_model(target: Target, proposer_factory, quiet: bool = False):

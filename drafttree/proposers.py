@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .costmodel import VerifyCostModel, build_caddtree
+from .model.linear import head_rows_source
 from .recalibrate import RoundCalibrator
 from .tree import DraftTree, build_best_first_tree, build_chain_tree
 
@@ -105,9 +106,8 @@ class DFlashProposer:
         self.depth = drafter.config.block_size - 1
         self.max_nodes = policy.max_nodes(self.depth)
         self.name = policy.name
-        head = target_model.embed_tokens.weight if target_model.lm_head is None else target_model.lm_head.weight
-        # A reduced draft vocabulary needs the weight; otherwise the target's own head (its dtype) is used.
-        self.lm_head = head if drafter.config.draft_vocab_size else target_model.logits
+        # A reduced draft vocabulary needs the head's rows; otherwise the target's own head (its path) is used.
+        self.lm_head = head_rows_source(target_model) if drafter.config.draft_vocab_size else target_model.logits
 
     def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor) -> None:
         """Drafter prefill: context K/V of the whole prompt."""

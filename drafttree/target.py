@@ -5,12 +5,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .compute import ComputeChoice
+
 
 @dataclass
 class Target:
     model: torch.nn.Module
     tokenizer: object | None
     name: str
+    compute: ComputeChoice | None = None  # the linear layers' path (None: built directly, e.g. in tests)
     stop_token_ids: tuple[int, ...] = field(default=())
 
     def __post_init__(self):
@@ -33,6 +36,12 @@ class Target:
 
     def encode(self, text: str) -> torch.Tensor:
         return torch.tensor(self._need_tokenizer().encode(text, add_special_tokens=False), dtype=torch.long)
+
+    @property
+    def compute_path(self) -> str:
+        if self.compute is not None:
+            return self.compute.path
+        return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(self.model.dtype, str(self.model.dtype))
 
     def decode(self, ids) -> str:
         return self._need_tokenizer().decode(list(map(int, ids)), skip_special_tokens=True)

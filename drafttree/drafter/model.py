@@ -162,10 +162,14 @@ class DFlashDrafter(nn.Module):
         if self.config.mask_token_id is None:
             nn.init.normal_(self.mask_embedding, std=std)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype  # not fc's: on the int8 path the linears hold int8 weights
+
     # ---- shared pieces -------------------------------------------------------------------
     def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
         """[N, k*H_target] concatenated target hidden states -> [N, H] context vectors."""
-        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        return self.hidden_norm(self.fc(features.to(self.dtype)))
 
     def mask_vector(self, embed: Embed) -> torch.Tensor:
         if self.config.mask_token_id is None:
@@ -184,7 +188,7 @@ class DFlashDrafter(nn.Module):
 
     def _ensure_capacity(self, needed: int) -> None:
         """Preallocated buffers; grown by doubling. `needed` includes the block's scratch rows."""
-        w = self.fc.weight
+        w = self.norm.weight  # dtype and device of the compute path (linears may be int8)
         if self._cache_k is not None and self._cache_k.shape[2] >= needed and self._cache_k.dtype == w.dtype:
             return
         cap = max(needed, 2 * (self._cache_k.shape[2] if self._cache_k is not None else 256))
@@ -227,7 +231,7 @@ class DFlashDrafter(nn.Module):
         B = block_embeds.shape[0]
         self._ensure_capacity(self.context_len + B)
         pos = torch.arange(start_position, start_position + B, device=block_embeds.device)
-        h = block_embeds.to(self.fc.weight.dtype)
+        h = block_embeds.to(self.dtype)
         cos, sin = self._rope(pos, h.dtype)
         c, end = self.context_len, self.context_len + B
         for i, layer in enumerate(self.layers):
@@ -242,13 +246,19 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     # ---- LM head -------------------------------------------------------------------------
-    def head_weight(self, lm_head: torch.Tensor) -> torch.Tensor:
-        """The target's head weight restricted to the draft vocabulary (sliced once, then cached)."""
+    def head_weight(self, lm_head):
+        """The target's head (a weight tensor or an int8 layer) restricted to the draft vocabulary,
+        sliced once, then cached."""
         if not self.config.draft_vocab_size:
             return lm_head
-        key = (lm_head.data_ptr(), lm_head.shape, lm_head.dtype, lm_head._version, self.draft_vocab.data_ptr())
+        if isinstance(lm_head, torch.Tensor):
+            key = (lm_head.data_ptr(), lm_head.shape, lm_head.dtype, lm_head._version, self.draft_vocab.data_ptr())
+        else:
+            key = (id(lm_head), self.draft_vocab.data_ptr())
         if self._head_cache is None or self._head_cache[0] != key:
-            self._head_cache = (key, lm_head[self.draft_vocab].contiguous())
+            sub = (lm_head[self.draft_vocab].contiguous() if isinstance(lm_head, torch.Tensor)
+                   else lm_head.select_rows(self.draft_vocab))
+            self._head_cache = (key, sub)
         return self._head_cache[1]
 
     def draft_logits(self, hidden: torch.Tensor, lm_head: LMHead) -> torch.Tensor:
@@ -258,10 +268,10 @@ class DFlashDrafter(nn.Module):
             if callable(lm_head) and not isinstance(lm_head, torch.Tensor):
                 return lm_head(hidden).float()
             return (hidden.to(lm_head.dtype) @ lm_head.t()).float()
-        if callable(lm_head) and not isinstance(lm_head, torch.Tensor):
-            raise TypeError("a reduced draft vocabulary needs the LM head weight tensor, not a callable")
+        if not isinstance(lm_head, torch.Tensor) and not hasattr(lm_head, "select_rows"):
+            raise TypeError("a reduced draft vocabulary needs the LM head weight tensor or an int8 head layer")
         w = self.head_weight(lm_head)
-        small = (hidden.to(w.dtype) @ w.t()).float()
+        small = (hidden.to(w.dtype) @ w.t()).float() if isinstance(w, torch.Tensor) else w(hidden).float()
         out = small.new_full((hidden.shape[0], self.config.vocab_size), float("-inf"))
         return out.index_copy_(1, self.draft_vocab, small)
 

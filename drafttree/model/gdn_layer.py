@@ -78,7 +78,7 @@ class GatedDeltaNet(nn.Module):
     # ---- state ---------------------------------------------------------------------------------
 
     def reset_state(self) -> None:
-        self.conv_ctx = torch.zeros(self.K - 1, self.conv_dim, dtype=self.out_proj.weight.dtype)
+        self.conv_ctx = torch.zeros(self.K - 1, self.conv_dim, dtype=self.conv_weight.dtype)
         self.state = torch.zeros(self.Hv, self.dk, self.dv, dtype=torch.float32)
         self._pending: _Pending | None = None
         self._deferred: torch.Tensor | None = None

@@ -19,6 +19,7 @@ from .hybrid_blocks import GatedAttention, SparseMoE, ZeroCenteredRMSNorm
 from .hybrid_config import HybridConfig
 from .kv_cache import KVCache, check_room
 from .layers import RotaryTable, SwiGLU
+from .layers import AttentionMask
 from .transformer import ForwardOutput, additive_mask
 
 
@@ -53,6 +54,7 @@ class HybridModel(nn.Module):
         self.cache: KVCache | None = None
         self.defer_gdn_commit = False  # fold accepted GDN paths at the start of the next forward
         self._last_mask: torch.Tensor | None = None  # ancestor mask of the last forward (None = chain)
+        self.attention_kernel: str | None = None  # ISA of the batch-invariant attention kernel (int8 path)
 
     def init_rope(self) -> None:
         cfg = self.config
@@ -60,7 +62,7 @@ class HybridModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype  # the compute dtype (int8 paths keep float norms)
 
     @property
     def cache_len(self) -> int:
@@ -98,8 +100,9 @@ class HybridModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on final-normed hidden states; fp32 logits."""
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def _tree_mask(self, t: int, tree_mask: torch.Tensor) -> torch.Tensor:
         past = self.cache.length
@@ -136,10 +139,10 @@ class HybridModel(nn.Module):
             visible_new = None if t == 1 else torch.ones(t, t, dtype=torch.bool).tril_()
         if positions is None:
             positions = torch.arange(past, past + t)
-        mask = None
-        if visible_new is not None:
+        mask = AttentionMask(past, visible_new, None, self.attention_kernel)
+        if visible_new is not None and self.attention_kernel is None:
             visible = torch.cat([torch.ones(t, past, dtype=torch.bool), visible_new], dim=1)
-            mask = additive_mask(visible, self.config.num_heads // self.config.num_kv_heads, self.dtype)
+            mask.additive = additive_mask(visible, self.config.num_heads // self.config.num_kv_heads, self.dtype)
         cos, sin = self.rope(positions, self.dtype)
         x = self.embed_tokens(tokens)
         captured = {}

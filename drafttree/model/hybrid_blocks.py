@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from .hybrid_config import HybridConfig
 from .kv_cache import KVCache
-from .layers import SwiGLU, apply_rotary
+from .layers import SwiGLU, apply_rotary, attend
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -53,12 +53,8 @@ class GatedAttention(nn.Module):
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         keys, values = cache.write(slot, k, v)
         # query heads sharing a KV head are stacked on the row axis: one matmul per KV head
-        q = q.reshape(self.n_kv, self.group * t, d)
-        scores = torch.matmul(q, keys.transpose(1, 2)) * d**-0.5
-        if mask is not None:
-            scores = scores + mask
-        probs = scores.float().softmax(-1).to(v.dtype)
-        out = torch.matmul(probs, values).view(self.n_heads, t, d).transpose(0, 1).reshape(t, self.n_heads * d)
+        out = attend(q.reshape(self.n_kv, self.group * t, d), keys, values, mask)
+        out = out.view(self.n_heads, t, d).transpose(0, 1).reshape(t, self.n_heads * d)
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, self.n_heads * d)))
 
 

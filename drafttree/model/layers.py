@@ -1,6 +1,8 @@
 """Small building blocks shared by the target models and the drafter."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -55,3 +57,28 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
         return self.down(F.silu(gate) * up)
+
+
+@dataclass
+class AttentionMask:
+    """What the T new rows of one forward see: every committed key, and among the new keys `tree`."""
+
+    past: int  # committed keys, all visible
+    tree: torch.Tensor | None  # bool [T, T] among the new keys; None: causal
+    additive: torch.Tensor | None  # [group*T, past+T] for the matmul path (None: nothing masked)
+    kernel_isa: str | None = None  # run the batch-invariant C++ kernel (ops.attention) with this ISA
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """Grouped-query attention with the query heads sharing a KV head stacked on the row axis:
+    q [kv_heads, group*T, d], keys/values [kv_heads, past+T, d] -> [kv_heads, group*T, d]."""
+    d = q.shape[-1]
+    if mask.kernel_isa is not None:
+        from drafttree.ops.attention import tree_attention
+
+        return tree_attention(q, keys, values, mask.past, mask.tree, d**-0.5, mask.kernel_isa)
+    scores = torch.matmul(q, keys.transpose(1, 2)) * d**-0.5
+    if mask.additive is not None:
+        scores = scores + mask.additive
+    probs = scores.float().softmax(-1).to(values.dtype)
+    return torch.matmul(probs, values)

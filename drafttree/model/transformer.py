@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .kv_cache import KVCache, check_room
-from .layers import RMSNorm, RotaryTable, SwiGLU, apply_rotary
+from .layers import AttentionMask, RMSNorm, RotaryTable, SwiGLU, apply_rotary, attend
 
 
 @dataclass
@@ -46,13 +46,8 @@ class Attention(nn.Module):
         keys, values = cache.write(layer, k, v)
         # Grouped-query attention without repeating K/V: the query heads sharing a KV head are
         # stacked along the row axis, so each KV head is one [group*T, L+T] matmul.
-        q = q.reshape(self.n_kv, self.group * t, d)
-        scores = torch.matmul(q, keys.transpose(1, 2)) * d**-0.5
-        if mask is not None:
-            scores = scores + mask
-        probs = scores.float().softmax(-1).to(v.dtype)
-        out = torch.matmul(probs, values).view(self.n_heads, t, d).transpose(0, 1).reshape(t, self.n_heads * d)
-        return self.o(out)
+        out = attend(q.reshape(self.n_kv, self.group * t, d), keys, values, mask)
+        return self.o(out.view(self.n_heads, t, d).transpose(0, 1).reshape(t, self.n_heads * d))
 
 
 class DecoderLayer(nn.Module):
@@ -83,6 +78,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.cache: KVCache | None = None
+        self.attention_kernel: str | None = None  # ISA of the batch-invariant attention kernel (int8 path)
 
     def init_rope(self) -> None:
         """Rope tables are derived, not loaded; build them outside any meta-device context."""
@@ -91,7 +87,7 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype  # the compute dtype (int8 paths keep float norms)
 
     @property
     def cache_len(self) -> int:
@@ -120,22 +116,29 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on final-normed hidden states; fp32 logits."""
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
-    def _visible(self, t: int, tree_mask: torch.Tensor | None) -> torch.Tensor | None:
-        past = self.cache.length
+    def _mask(self, t: int, tree_mask: torch.Tensor | None) -> AttentionMask:
+        past, group = self.cache.length, self.config.num_heads // self.config.num_kv_heads
         if tree_mask is None:
-            if t == 1:
-                return None  # one token sees everything
+            if t == 1:  # one token sees everything
+                return AttentionMask(past, None, None, self.attention_kernel)
             tree_mask = torch.ones(t, t, dtype=torch.bool).tril_()
         if tree_mask.dtype != torch.bool:
             raise TypeError(f"tree_mask must be a bool tensor, got {tree_mask.dtype}")
         if tree_mask.shape == (t, past + t):
-            return tree_mask
-        if tree_mask.shape != (t, t):
+            visible, kernel = tree_mask, None  # a hidden committed key: only the matmul path masks those
+            if bool(tree_mask[:, :past].all()):
+                tree_mask, kernel = tree_mask[:, past:], self.attention_kernel
+        elif tree_mask.shape == (t, t):
+            visible, kernel = torch.cat([torch.ones(t, past, dtype=torch.bool), tree_mask], dim=1), self.attention_kernel
+        else:
             raise ValueError(f"tree_mask must be [T, T] or [T, cache_len + T] = [{t}, {past + t}], got {tuple(tree_mask.shape)}")
-        return torch.cat([torch.ones(t, past, dtype=torch.bool), tree_mask], dim=1)
+        if kernel is not None:
+            return AttentionMask(past, tree_mask, None, kernel)
+        return AttentionMask(past, tree_mask, additive_mask(visible, group, self.dtype))
 
     @torch.inference_mode()
     def forward(
@@ -150,8 +153,7 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(past, past + t)
         cos, sin = self.rope(positions, self.dtype)
-        visible = self._visible(t, tree_mask)
-        mask = None if visible is None else additive_mask(visible, self.config.num_heads // self.config.num_kv_heads, self.dtype)
+        mask = self._mask(t, tree_mask)
         x = self.embed_tokens(tokens)
         captured = []
         for i, layer in enumerate(self.layers):

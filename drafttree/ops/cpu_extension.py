@@ -1,0 +1,52 @@
+"""The C++ CPU kernels (ops/int8, ops/attention) as one torch extension, compiled once per machine
+(`make setup` runs `python -m drafttree.ops.cpu_extension`) and cached beside the converted models."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+SOURCES = [HERE / "bindings.cpp", HERE / "int8" / "int8_linear.cpp", HERE / "attention" / "tree_attention.cpp"]
+ISA_CODES = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}  # the attention kernel reads 2 as plain AVX-512
+
+
+def build_dir() -> Path:
+    from drafttree.gguf_convert import cache_root
+
+    digest = hashlib.sha256(torch.__version__.encode())
+    for src in SOURCES:
+        digest.update(src.read_bytes())
+    return cache_root() / "ext" / f"cpu-{digest.hexdigest()[:12]}"
+
+
+@functools.cache
+def extension():
+    """The compiled module (compiled on first use, about a minute on 2 cores; then loaded from the cache)."""
+    from torch.utils.cpp_extension import load
+
+    out = build_dir()
+    if not any(out.glob("*.so")):
+        print(f"drafttree: compiling the CPU kernels into {out} (once per machine, about a minute)", file=sys.stderr)
+    out.mkdir(parents=True, exist_ok=True)
+    # -ffp-contract=off: no implicit fused multiply-adds, so the int8 epilogue rounds as the reference does.
+    return load(name="drafttree_cpu", sources=[str(s) for s in SOURCES], build_directory=str(out), verbose=False,
+                extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", "-Wno-psabi"], extra_ldflags=["-fopenmp"])
+
+
+def kernel_error() -> str | None:
+    """Why the kernels cannot be used here (None when they build and load)."""
+    try:
+        extension()
+    except Exception as e:  # no compiler or headers: callers fall back to another path
+        lines = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {lines[-1] if lines else ''}"
+    return None
+
+
+if __name__ == "__main__":
+    err = kernel_error()
+    print(f"drafttree CPU kernels: {'ready in ' + str(build_dir()) if err is None else 'unavailable (' + err + ')'}")

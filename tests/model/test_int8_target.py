@@ -1,0 +1,89 @@
+"""The int8 compute path end to end on tiny models: the module swap, bit-exact tree verification,
+and speculative decoding identical to AR decoding on the same path."""
+import pytest
+import torch
+
+from drafttree.engine import generate_ar, generate_speculative
+from drafttree.load import load_target
+from drafttree.model.linear import Int8Linear
+from drafttree.proposers import BestFirstPolicy, ChainPolicy, DFlashProposer
+from spec_helpers import TargetCopyProposer, random_drafter_for
+from test_runtime import ancestor_mask, path_to, random_tree_parents
+
+
+def int8_target(path, isa=None):
+    target = load_target(str(path), compute="int8")
+    if isa is not None:
+        for m in target.model.modules():
+            if isinstance(m, Int8Linear):
+                m.isa = isa
+    return target
+
+
+def test_every_linear_and_the_head_are_int8(tiny_checkpoint):
+    model = int8_target(tiny_checkpoint[0]).model
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert isinstance(model.lm_head, Int8Linear) and model.dtype == torch.float32
+    fp32 = load_target(str(tiny_checkpoint[0])).model
+    n_weights = sum(m.weight.numel() for m in fp32.modules() if isinstance(m, torch.nn.Linear))
+    n_weights += 0 if fp32.lm_head is not None else fp32.embed_tokens.weight.numel()
+    int8_bytes = sum({id(m.weight_packed): m.weight_packed.numel() for m in model.modules()
+                      if isinstance(m, Int8Linear)}.values())  # a tied embedding shares the head's bytes
+    assert n_weights <= int8_bytes < 1.3 * n_weights  # one byte a weight (plus panel padding)
+
+
+def test_kernel_model_equals_reference_model(tiny_checkpoint):
+    """The C++ int8 kernel and its plain-PyTorch reference give the same logits, bit for bit, in a model."""
+    fast, ref = int8_target(tiny_checkpoint[0]), int8_target(tiny_checkpoint[0], isa="reference")
+    ids = torch.arange(3, 40) % fast.model.config.vocab_size
+    for m in (fast.model, ref.model):
+        m.setup_cache(64)
+        m.reset()
+    assert torch.equal(fast.model.forward(ids).logits, ref.model.forward(ids).logits)
+
+
+def test_tree_logits_equal_sequential_steps_bit_for_bit(tiny_checkpoint):
+    """On the int8 path every node's logits are exactly those of one-token steps along its path."""
+    m = int8_target(tiny_checkpoint[0]).model
+    m.setup_cache(128)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, m.config.vocab_size, (9,), generator=gen)
+    parents = random_tree_parents(12, gen)
+    tokens = torch.randint(0, m.config.vocab_size, (12,), generator=gen)
+    mask = ancestor_mask(parents)
+    m.reset()
+    m.prefill(prompt)
+    tree = m.forward(tokens, positions=prompt.numel() + mask.sum(1) - 1, tree_mask=mask).logits
+    for i in range(12):
+        m.reset()
+        m.prefill(prompt)
+        for tok in tokens[path_to(parents, i)]:
+            step = m.forward(tok.view(1)).logits[0]
+            m.commit(torch.tensor([0]))
+        assert torch.equal(step, tree[i]), f"node {i}"
+
+
+@pytest.mark.parametrize("make_policy", [ChainPolicy, lambda: BestFirstPolicy(4), lambda: BestFirstPolicy(32)],
+                         ids=["chain", "ddtree4", "ddtree32"])
+@pytest.mark.parametrize("noise", [0.0, 3.0])
+def test_greedy_speculation_equals_ar_on_the_int8_path(tiny_checkpoint, make_policy, noise):
+    path, _ = tiny_checkpoint
+    target = int8_target(path)
+    proposer = TargetCopyProposer(path, make_policy(), noise=noise)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, target.model.config.vocab_size, (int(torch.randint(3, 12, (1,), generator=gen)),), generator=gen)
+        ar = generate_ar(target, ids, max_new_tokens=40, stop_token_ids=()).tokens
+        assert generate_speculative(target, ids, proposer, max_new_tokens=40, stop_token_ids=()).tokens == ar
+
+
+def test_int8_dflash_drafter_runs_on_the_int8_path(tiny_checkpoint):
+    from drafttree.model.linear import quantize_linears
+
+    path, _ = tiny_checkpoint
+    target = int8_target(path)
+    drafter = quantize_linears(random_drafter_for(target.model), "scalar")
+    proposer = DFlashProposer(drafter, target.model, BestFirstPolicy(8))
+    ids = torch.arange(2, 10)
+    ar = generate_ar(target, ids, max_new_tokens=24, stop_token_ids=()).tokens
+    assert generate_speculative(target, ids, proposer, max_new_tokens=24, stop_token_ids=()).tokens == ar

@@ -1,0 +1,49 @@
+"""The int8 kernel against its plain-PyTorch reference: bit for bit, on every code path this CPU runs."""
+import pytest
+import torch
+
+from drafttree.compute import cpu_info
+from drafttree.ops.int8 import (int8_linear, int8_linear_ref, pack_weight, packed_rows, prepare_weight, quantize_rows,
+                                unpack_weight)
+
+ISAS = ["scalar"] + [isa for isa, flag in (("avx2", "avx2"), ("avx512_vnni", "avx512_vnni")) if cpu_info().has(flag)]
+SHAPES = [(1, 576, 576), (3, 100, 7), (16, 1536, 576), (5, 576, 1539), (64, 2880, 200), (7, 13, 33), (130, 64, 40)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_reference_bit_for_bit(isa, dtype):
+    gen = torch.Generator().manual_seed(0)
+    for t, k, n in SHAPES:
+        x = torch.randn(t, k, generator=gen).to(dtype)
+        w = torch.randn(n, k, generator=gen) * 0.05
+        packed, scale, sums = prepare_weight(w)
+        q = unpack_weight(packed, n, k)
+        for bias in (None, torch.randn(n, generator=gen)):
+            assert torch.equal(int8_linear(x, packed, scale, sums, bias, isa), int8_linear_ref(x, q, scale, bias)), (t, k, n)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_row_does_not_depend_on_the_batch(isa):
+    """Integer sums: row i of a T-row call is the one-row call on row i (what makes tree verify lossless)."""
+    x, w = torch.randn(16, 576), torch.randn(300, 576) * 0.05
+    packed, scale, sums = prepare_weight(w)
+    full = int8_linear(x, packed, scale, sums, None, isa)
+    for i in range(16):
+        assert torch.equal(int8_linear(x[i:i + 1], packed, scale, sums, None, isa)[0], full[i])
+
+
+def test_packing_round_trips_and_gathers_rows():
+    q = torch.randint(-127, 128, (37, 21), dtype=torch.int8)
+    packed = pack_weight(q)
+    assert torch.equal(unpack_weight(packed, 37, 21), q)
+    rows = torch.tensor([0, 36, 17, 17])
+    assert torch.equal(packed_rows(packed, rows, 21), q[rows])
+
+
+def test_quantized_rows_are_symmetric_and_zero_safe():
+    x = torch.tensor([[0.0, 0.0], [1.0, -2.0], [-0.3, 0.1]])
+    q, scale = quantize_rows(x)
+    assert scale[0] == 1.0 and q[0].tolist() == [0, 0]
+    assert q[1].tolist() == [64, -127] and torch.isclose(scale[1], torch.tensor(2.0 / 127))
+    assert q.abs().max() <= 127
