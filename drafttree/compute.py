@@ -1,8 +1,9 @@
 """The compute path of the linear layers, chosen from what this CPU can do.
 
 Paths: `fp32` (the reference), `bf16` (only where the CPU has native bf16: AVX512_BF16 or AMX),
-`int8` (int8 weights and per-row int8 activations, integer dot products: drafttree.ops.int8). The
-choice is explained in words (`drafttree info`) and can be overridden (`--compute`).
+`int8` (int8 weights and per-row int8 activations, integer dot products: drafttree.ops.int8), `q4`
+(4-bit Q4_1 weights, the GGUF's own blocks for a GGUF model, int8 activations: drafttree.ops.q4; the
+LM head stays int8). The choice is explained in words (`drafttree info`) and can be overridden (`--compute`).
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from functools import cache
 
 import torch
 
-PATHS = ("fp32", "bf16", "int8")
-ACTIVATION_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
+PATHS = ("fp32", "bf16", "int8", "q4")
+ACTIVATION_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32, "q4": torch.float32}
 LEGACY_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "fp32": "fp32", "bf16": "bf16"}
 
 
@@ -96,14 +97,27 @@ def choose_compute(requested: str = "auto", cpu: CpuInfo | None = None) -> Compu
         why = "native bf16 (AVX512_BF16/AMX)" if cpu.native_bf16 else "no native bf16 here: batched bf16 matmuls are slow"
         return ComputeChoice("bf16", None, f"requested: bf16 ({why})")
     err = kernel_error()
-    if requested == "int8":
+    if requested in ("int8", "q4"):
         if err is not None:
-            raise RuntimeError(f"the int8 kernel is unavailable here ({err}); use --compute fp32 or bf16")
-        return ComputeChoice("int8", cpu.int8_isa, f"requested: int8 ({cpu.int8_isa} kernel)")
+            raise RuntimeError(f"the {requested} kernels are unavailable here ({err}); use --compute fp32 or bf16")
+        return ComputeChoice(requested, cpu.int8_isa, f"requested: {requested} ({cpu.int8_isa} kernels)")
     if err is None and cpu.int8_isa != "scalar":
-        return ComputeChoice("int8", cpu.int8_isa, (
-            f"auto: int8 weights with {cpu.int8_isa.replace('_', ' ').upper()} integer dot products stream 1 byte a "
-            "weight (bf16 2, fp32 4) and a tree of T tokens costs little more than one token"))
+        return ComputeChoice("q4", cpu.int8_isa, (
+            f"auto: 4-bit Q4_1 weights with {cpu.int8_isa.replace('_', ' ').upper()} integer dot products stream "
+            "0.6 bytes a weight (int8 1, bf16 2, fp32 4) and a tree of T tokens costs little more than one token"))
     if cpu.native_bf16:
         return ComputeChoice("bf16", None, f"auto: native bf16 on this CPU; int8 kernel unavailable ({err or 'no SIMD'})")
     return ComputeChoice("fp32", None, f"auto: no fast int8 kernel ({err or 'no AVX2'}) and no native bf16")
+
+
+def add_compute_argument(parser, default: str = "auto") -> None:
+    """`--compute` for every command that loads a target (`--dtype float32|bfloat16`: the older spelling)."""
+    parser.add_argument("--compute", default=default, choices=["auto", *PATHS],
+                        help=f"compute path of the linear layers (default {default}: "
+                             "the fastest on this CPU, see `drafttree info`)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="same as --compute fp32 / bf16")
+
+
+def compute_of(args) -> str:
+    """The compute path asked for on the command line (a --dtype wins: it is the more specific spelling)."""
+    return LEGACY_DTYPES[args.dtype] if getattr(args, "dtype", None) else args.compute

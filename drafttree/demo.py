@@ -2,6 +2,7 @@
 measure plain autoregressive decoding of the same prompt in the same run for the speedup."""
 from __future__ import annotations
 
+from .compute import compute_of
 from .load import load_target
 from .methods import SHIPPED_DRAFTERS, generate, make_proposer
 
@@ -10,9 +11,9 @@ DEMO_PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she s
 
 
 def run_demo(a) -> int:
-    target = load_target(a.model, dtype=a.dtype, threads=a.threads)
+    target = load_target(a.model, compute=compute_of(a), threads=a.threads)
     ids = target.encode_chat(DEMO_PROMPT)
-    print(f"model: {target.name} ({a.dtype})\nprompt: {DEMO_PROMPT}\n")
+    print(f"model: {target.name}, compute path {target.compute_label}: {target.compute.reason}\nprompt: {DEMO_PROMPT}\n")
     has_drafter = (SHIPPED_DRAFTERS.get(target.name, SHIPPED_DRAFTERS["smollm2-135m-instruct"]) / "config.json").exists()
     if not has_drafter:
         print(target.decode(generate("ar", target, ids, a.max_new_tokens).tokens))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .gguf_convert import EMBEDDED, convert_embedded
+from .gguf_convert import EMBEDDED, convert_embedded, find_embedded_gguf
 from .target import Target
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -41,11 +41,13 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype | No
     `name_or_path` is an embedded model name (see `EMBEDDED`) or a directory with config.json,
     *.safetensors and tokenizer files of a supported family. `compute` is "auto" (the fastest path
     on this CPU, what the CLI uses), "fp32", "bf16" or "int8"; a `dtype` alone selects fp32 or bf16;
-    with neither, the fp32 reference path.
+    with neither, the fp32 reference path; "q4" runs a GGUF model's own Q4_1 blocks (HF weights are
+    quantized to Q4_1 here).
     """
     from transformers import AutoConfig, AutoTokenizer
 
     from .compute import choose_compute
+    from .model.gguf_blocks import q4_1_blocks
     from .model.linear import quantize_target
     from .model.weights import read_safetensors_dir
 
@@ -72,7 +74,8 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype | No
     if hf_config.model_type not in builders:
         raise ValueError(f"unsupported architecture {hf_config.model_type!r}: supported are {sorted(builders)}")
     model = builders[hf_config.model_type](hf_config, read_safetensors_dir(path), torch_dtype)
-    if choice.path == "int8":
-        quantize_target(model, choice.isa)
+    if choice.path in ("int8", "q4"):
+        q4 = choice.path == "q4" and (q4_1_blocks(find_embedded_gguf(name_or_path)) if name_or_path in EMBEDDED else True)
+        quantize_target(model, choice.isa, q4)
     tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer_config.json").exists() else None
     return Target(model=model, tokenizer=tokenizer, name=str(name_or_path), compute=choice)

@@ -29,10 +29,10 @@ def load_drafter_for(target: Target, path: str | Path | None = None):
     from .drafter.checkpoint import load_drafter
 
     drafter = load_drafter(path or default_drafter_path(target), dtype=target.model.dtype)
-    if target.compute is not None and target.compute.path == "int8":  # the drafter runs on the target's path
-        from .model.linear import quantize_linears
+    if target.compute is not None and target.compute.path in ("int8", "q4"):  # the drafter runs int8 (it is small)
+        from .model.linear import quantize_linears, use_cpu_kernels
 
-        quantize_linears(drafter, target.compute.isa)
+        use_cpu_kernels(quantize_linears(drafter.fuse_projections(), target.compute.isa), target.compute.isa)
     cfg, tcfg = drafter.config, target.model.config
     if cfg.vocab_size != tcfg.vocab_size or cfg.target_hidden_size != tcfg.hidden_size:
         raise ValueError(f"drafter (vocab {cfg.vocab_size}, target hidden {cfg.target_hidden_size}) does not fit "

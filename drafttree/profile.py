@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from .compute import compute_of
 from .costmodel import VerifyCostModel, profile_grid
 from .tree import random_tree
 
@@ -63,13 +64,13 @@ def run(a) -> int:
     from .methods import cost_model_path, load_drafter_for
     from .proposers import ChainPolicy, DFlashProposer
 
-    target = load_target(a.model, dtype=a.dtype, threads=a.threads)
+    target = load_target(a.model, compute=compute_of(a), threads=a.threads)
     drafter = load_drafter_for(target, a.drafter)
     model = profile_costs(target, DFlashProposer(drafter, target.model, ChainPolicy()), quick=a.quick)
     path = Path(a.out) if a.out else cost_model_path(target)
     path.parent.mkdir(parents=True, exist_ok=True)
     model.save(path)
-    model.plot(path.with_suffix(".png"), title=f"{target.name} {a.dtype}")
+    model.plot(path.with_suffix(".png"), title=f"{target.name} {target.compute_label}")
     print(f"cost model: {path}\nplot: {path.with_suffix('.png')}")
     meas = model.measurements
     print("| context | " + " | ".join(f"{n} tok" for n in meas["token_counts"]) + " |")

@@ -105,6 +105,7 @@ class DFlashProposer:
         self.capture_layers = tuple(drafter.config.target_layer_ids)
         self.depth = drafter.config.block_size - 1
         self.max_nodes = policy.max_nodes(self.depth)
+        self.draft_depth = min(self.depth, self.max_nodes)
         self.name = policy.name
         # A reduced draft vocabulary needs the head's rows; otherwise the target's own head (its path) is used.
         self.lm_head = head_rows_source(target_model) if drafter.config.draft_vocab_size else target_model.logits
@@ -116,10 +117,11 @@ class DFlashProposer:
         self.drafter.extend_context(prompt_features, torch.arange(prompt_features.shape[0]))
 
     def draft(self, root: int, start: int) -> torch.Tensor:
-        """[B-1, V] drafter logits for positions start+1 .. start+B-1."""
+        """[D, V] drafter logits for positions start+1 .. start+D, D = the deepest node the policy can place
+        (a tree of n nodes is at most n deep): no head rows for depths no tree reaches."""
         block = self.drafter.block_embeds(root, self.model.embed)
         hidden = self.drafter.draft(block, start)
-        return self.drafter.draft_logits(hidden[1:], self.lm_head)
+        return self.drafter.draft_logits(hidden[1:1 + self.draft_depth], self.lm_head)
 
     def build_tree(self, root: int, logits: torch.Tensor, start: int) -> DraftTree:
         return self.policy.build(root, logits, start)

@@ -43,5 +43,11 @@ class Target:
             return self.compute.path
         return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(self.model.dtype, str(self.model.dtype))
 
+    @property
+    def compute_label(self) -> str:
+        """e.g. "int8 (avx512_vnni)": what reports print beside their figures."""
+        isa = self.compute.isa if self.compute is not None else None
+        return f"{self.compute_path} ({isa})" if isa else self.compute_path
+
     def decode(self, ids) -> str:
         return self._need_tokenizer().decode(list(map(int, ids)), skip_special_tokens=True)

@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from ..atomic import atomic_write_text
+from ..compute import add_compute_argument, compute_of
 from ..datasets import load_prompts
 from ..engine import generate_ar
 from ..methods import COST_AWARE, METHODS, generate, make_proposer
@@ -113,7 +114,7 @@ def check(target, methods, prompts_by_set: dict, max_new_tokens: int = 256, draf
 
 def markdown(results: dict, config: dict) -> str:
     lines = ["# drafttree check-lossless", "",
-             f"{config['dtype']}, greedy, at most {config['max_new_tokens']} new tokens, stop tokens honoured; "
+             f"{config.get('compute', config.get('dtype'))}, greedy, at most {config['max_new_tokens']} new tokens, stop tokens honoured; "
              "every prompt of each set. `checked by AR`: outputs that failed the teacher-forced check and were "
              "therefore decoded by plain AR and compared token for token. `near-ties`: mismatches whose first "
              f"differing token trails AR's by less than {NEAR_TIE:g} in AR's own logits (fp32 rounding, see the "
@@ -137,7 +138,7 @@ def add_arguments(p) -> None:
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--budget", type=int, default=16, help="ddtree's node budget")
-    p.add_argument("--dtype", default="float32")
+    add_compute_argument(p, default="fp32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--drafter", default=None)
@@ -161,7 +162,7 @@ def run(a) -> int:
     prompts = {d: load_prompts(d, a.limit) for d in parse_datasets(a.datasets)}
     if not any(prompts.values()):
         raise InputError(f"no prompts to check in --datasets {a.datasets!r}")
-    target = load_target(a.model, dtype=a.dtype, threads=a.threads)
+    target = load_target(a.model, compute=compute_of(a), threads=a.threads)
     drafter = load_drafter_for(target, a.drafter)
     cost_model = None
     if any(m in COST_AWARE for m in methods):
@@ -171,7 +172,7 @@ def run(a) -> int:
     with open(out / "records.jsonl", "w") as records:
         results = check(target, methods, prompts, a.max_new_tokens, drafter, cost_model, records=records,
                         budget=a.budget)
-    config = dict(model=target.name, dtype=a.dtype, max_new_tokens=a.max_new_tokens, threads=torch.get_num_threads(),
+    config = dict(model=target.name, compute=getattr(target, "compute_label", compute_of(a)), max_new_tokens=a.max_new_tokens, threads=torch.get_num_threads(),
                   drafter=a.drafter or "shipped", sets={d: len(p) for d, p in prompts.items()})
     atomic_write_text(out / "results.json", json.dumps(dict(config=config, results=results), indent=1) + "\n")
     md = markdown(results, config)

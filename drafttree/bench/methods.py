@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import atomic_path, atomic_write_text
+from ..compute import add_compute_argument, compute_of
 from ..methods import COST_AWARE, METHODS, generate, make_proposer
 from ..sampling import SamplingParams
 from ..validate import InputError, check_positive_int
@@ -286,7 +287,7 @@ def markdown_report(results: dict) -> str:
     parts = [
         "# drafttree bench: decoding methods",
         "",
-        f"model `{cfg.get('model', '?')}` ({cfg.get('dtype', '?')}, {cfg.get('threads', '?')} threads), "
+        f"model `{cfg.get('model', '?')}` ({cfg.get('compute', cfg.get('dtype', '?'))}, {cfg.get('threads', '?')} threads), "
         f"drafter `{cfg.get('drafter', '?')}`, {sampling}, max {cfg['max_new_tokens']} new tokens, "
         f"prompts: {', '.join(f'{k} {v}' for k, v in cfg['prompts'].items())}.",
         "",
@@ -440,7 +441,7 @@ def write_outputs(results: dict, out: Path, log=print) -> list[Path]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or checkpoint directory")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="weights/compute dtype")
+    add_compute_argument(p)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma list of {', '.join(METHODS)} (ar always runs: it is the reference)")
@@ -489,7 +490,7 @@ def run(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     prompts = {d: load_prompts(d, args.limit) for d in datasets}
 
-    target = load_target(args.model, dtype=args.dtype, threads=args.threads)
+    target = load_target(args.model, compute=compute_of(args), threads=args.threads)
     speculative = [v for v in variants if v.method != "ar"]
     drafter = load_drafter_for(target, args.drafter) if speculative else None
     cost_model, cost_model_src = None, None
@@ -504,13 +505,13 @@ def run(args) -> int:
 
             cost_model = load_or_profile_cost_model(target, lambda: DFlashProposer(drafter, target.model, ChainPolicy()))
             cost_model_src = str(cost_model_path(target))
-    config = dict(model=target.name, dtype=args.dtype, threads=torch.get_num_threads(),
+    config = dict(model=target.name, compute=target.compute_label, threads=torch.get_num_threads(),
                   drafter=str(args.drafter) if args.drafter else ("shipped" if drafter is not None else None),
                   cost_model=cost_model_src, datasets=datasets, limit=args.limit, torch=torch.__version__,
                   python=platform.python_version(), machine=platform.machine(), processor=platform.processor() or None,
                   cpu_count=os.cpu_count(), git_commit=_git_commit(),
                   started=datetime.datetime.now().isoformat(timespec="seconds"))
-    print(f"drafttree bench: {target.name} ({args.dtype}, {torch.get_num_threads()} threads); methods "
+    print(f"drafttree bench: {target.name} ({target.compute_label}, {torch.get_num_threads()} threads); methods "
           f"{', '.join(v.name for v in variants)}; {', '.join(f'{d} {len(p)}' for d, p in prompts.items())} prompts",
           file=sys.stderr)
     results = benchmark(target, prompts, [v.method for v in variants], drafter=drafter, budgets=args.budgets,

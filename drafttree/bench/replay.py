@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..atomic import atomic_path, atomic_write_text
+from ..compute import add_compute_argument, compute_of
 from ..costmodel import VerifyCostModel, caddtree_select
 from ..engine import generate_ar
 from ..recalibrate import RoundCalibrator
@@ -166,7 +167,7 @@ def summarize(replays: list[Replay]) -> dict:
 # ---------------------------------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_compute_argument(p)
     p.add_argument("--threads", type=int, default=None, help="CPU threads for recording (replay itself is instant)")
     p.add_argument("--drafter", default=None)
     p.add_argument("--cost-model", default=None, help="cost model JSON (default: this machine's cached one)")
@@ -254,7 +255,7 @@ def run(args) -> int:
     if max(budgets) > args.max_tree_nodes:
         raise ValueError(f"--budgets must not exceed --max-tree-nodes={args.max_tree_nodes}, got {args.budgets!r}")
     datasets = parse_datasets(args.datasets)
-    target = load_target(args.model, dtype=args.dtype, threads=args.threads)
+    target = load_target(args.model, compute=compute_of(args), threads=args.threads)
     cost_src = Path(args.cost_model) if args.cost_model else cost_model_path(target)
     if not cost_src.exists():
         raise FileNotFoundError(f"no cost model at {cost_src}: run `drafttree profile` first (same --dtype/--threads)")
@@ -263,7 +264,7 @@ def run(args) -> int:
     policies = {f"ddtree-{b}": lambda b=b: FixedBudget(b) for b in budgets}
     policies["caddtree"] = lambda: CostAware(cost_model, args.max_tree_nodes)
     policies["caddtree+accept-scale"] = lambda: CostAware(cost_model, args.max_tree_nodes, adapt_acceptance=True)
-    results = dict(config=dict(model=target.name, dtype=args.dtype, threads=torch.get_num_threads(), cost_model=str(cost_src),
+    results = dict(config=dict(model=target.name, compute=target.compute_label, threads=torch.get_num_threads(), cost_model=str(cost_src),
                                limit=args.limit, max_new_tokens=args.max_new_tokens), datasets={})
     streams = load_streams(args.streams, datasets) if args.streams else record_all(target, proposer, datasets, args)
     results["datasets"] = {ds: {} for ds in datasets}

@@ -78,8 +78,18 @@ class DraftMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up: nn.Linear | None = None  # set by fuse_projections: one matmul instead of two
+        self.kernel_isa: str | None = None  # silu(gate) * up in one C++ call on the quantized paths
 
     def forward(self, x):
+        if self.gate_up is not None and x.dim() == 2:
+            gate_up = self.gate_up(x)
+            if self.kernel_isa is not None:
+                from drafttree.ops.pointwise import silu_mul
+
+                return self.down_proj(silu_mul(gate_up, self.kernel_isa))
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -94,6 +104,19 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, H, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qkv: nn.Linear | None = None  # set by fuse_projections: one matmul instead of three
+        self.kernel_isa: str | None = None  # the fused C++ attention on the quantized paths
+
+    def project(self, x, cos, sin):
+        """q [..., heads, T, d], k and v [..., kv_heads, T, d] of the same rows (k, q normed and RoPE'd)."""
+        if self.qkv is None:
+            return (self.queries(x, cos, sin), *self.keys_values(x, cos, sin))
+        d = self.head_dim
+        q, k, v = self.qkv(x).split([self.n_heads * d, self.n_kv * d, self.n_kv * d], dim=-1)
+        q = self.q_norm(q.unflatten(-1, (self.n_heads, d))).transpose(-3, -2)
+        k = self.k_norm(k.unflatten(-1, (self.n_kv, d))).transpose(-3, -2)
+        v = v.unflatten(-1, (self.n_kv, d)).transpose(-3, -2)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     # Shapes: x [..., T, H] (optional leading batch of sequences); cos/sin [..., 1, T, d] (head axis
     # broadcast); heads come out as [..., heads, T, d].
@@ -234,14 +257,33 @@ class DFlashDrafter(nn.Module):
         h = block_embeds.to(self.dtype)
         cos, sin = self._rope(pos, h.dtype)
         c, end = self.context_len, self.context_len + B
+        kernel = self.layers[0].self_attn.kernel_isa if self.layers else None
+        if kernel is not None and self._cache_k.dtype == torch.float32 and self.layers[0].self_attn.qkv is not None:
+            return self._draft_fused(h, cos, sin, kernel)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = attn.queries(x, cos, sin)
-            k, v = attn.keys_values(x, cos, sin)
+            q, k, v = attn.project(x, cos, sin)
             self._cache_k[i, :, c:end] = k  # scratch rows: the block sees itself and the whole context
             self._cache_v[i, :, c:end] = v
             h = h + attn.attend(q, self._cache_k[i, :, :end], self._cache_v[i, :, :end])
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def _draft_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, isa: str) -> torch.Tensor:
+        """`draft` on the quantized paths: q/k norms, RoPE, the block's K/V written to its scratch rows and
+        bidirectional attention over context + block in one C++ call per layer (drafttree.ops.attention)."""
+        from drafttree.ops.attention import rope_tree_attention
+
+        B, c = h.shape[0], self.context_len
+        block = torch.ones(B, B, dtype=torch.bool)
+        cos, sin = cos.squeeze(-3), sin.squeeze(-3)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            qkv = attn.qkv(layer.input_layernorm(h))
+            out = rope_tree_attention(qkv, cos, sin, self._cache_k[i], self._cache_v[i], c, block, attn.n_heads,
+                                      attn.n_kv, isa, attn.q_norm, attn.k_norm)
+            h = h + attn.o_proj(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
@@ -274,6 +316,20 @@ class DFlashDrafter(nn.Module):
         small = (hidden.to(w.dtype) @ w.t()).float() if isinstance(w, torch.Tensor) else w(hidden).float()
         out = small.new_full((hidden.shape[0], self.config.vocab_size), float("-inf"))
         return out.index_copy_(1, self.draft_vocab, small)
+
+    @torch.no_grad()
+    def fuse_projections(self) -> "DFlashDrafter":
+        """q/k/v and gate/up as one matmul each on the drafting hot path (the separate layers stay for
+        training and the context update); done before quantizing, from the float weights."""
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for owner, name, parts in ((attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj)),
+                                       (mlp, "gate_up", (mlp.gate_proj, mlp.up_proj))):
+                w = torch.cat([p.weight for p in parts])
+                fused = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype, device=w.device)
+                fused.weight.copy_(w)
+                setattr(owner, name, fused)
+        return self
 
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
         ids = torch.as_tensor(token_ids, dtype=torch.long).unique(sorted=True)

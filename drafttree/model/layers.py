@@ -13,8 +13,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernel_isa: str | None = None  # one C++ call (ops.pointwise) on the int8 path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_isa is not None and x.dtype == torch.float32:
+            from drafttree.ops.pointwise import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, self.kernel_isa)
         # Normalise in fp32 (as transformers does), cast back before the weight.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -53,8 +58,13 @@ class SwiGLU(nn.Module):
         self.intermediate = intermediate
         self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down = nn.Linear(intermediate, hidden, bias=bias)
+        self.kernel_isa: str | None = None  # silu(gate) * up in one C++ call on the int8 path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_isa is not None and x.dim() == 2:
+            from drafttree.ops.pointwise import silu_mul
+
+            return self.down(silu_mul(self.gate_up(x), self.kernel_isa))
         gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
         return self.down(F.silu(gate) * up)
 

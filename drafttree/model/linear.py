@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from drafttree.ops.int8 import int8_linear, int8_linear_ref, pack_weight, packed_rows, prepare_weight, unpack_weight
+from drafttree.ops.q4 import pack_q4, q4_linear, quantize_q4_1
 
 
 class Int8Linear(nn.Module):
@@ -59,6 +60,34 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, isa={self.isa}"
 
 
+class Q4Linear(nn.Module):
+    """Drop-in for nn.Linear with GGUF Q4_1 weights (w = d·q + m per block of 32, as the file stores them)
+    and per-row int8 activations (drafttree.ops.q4)."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None,
+                 isa: str = "avx2"):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        packed_q, packed_d, packed_m = pack_q4(q, d, m)
+        self.register_buffer("weight_q4", packed_q)  # uint8 [N/16, K/8, 16, 4]: two nibbles a byte
+        self.register_buffer("weight_d", packed_d)   # fp16 [N/16, K/32, 16] block scales
+        self.register_buffer("weight_m", packed_m)   # fp16 [N/16, K/32, 16] block minimums
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.isa = isa
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, isa: str) -> "Q4Linear":
+        return cls(*quantize_q4_1(linear.weight.detach()), linear.bias, isa)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = q4_linear(x.reshape(-1, self.in_features), self.weight_q4, self.weight_d, self.weight_m, self.bias,
+                      self.out_features, self.isa)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, isa={self.isa}"
+
+
 class Int8TiedEmbedding(nn.Module):
     """Token embedding read from the int8 LM head it is tied to (rows dequantized on lookup)."""
 
@@ -71,23 +100,46 @@ class Int8TiedEmbedding(nn.Module):
         return self.head.dequantized(flat).to(self.dtype).view(*ids.shape, -1)
 
 
-def quantize_linears(module: nn.Module, isa: str) -> nn.Module:
-    """Replace every nn.Linear below `module` by an Int8Linear (in place; returns `module`)."""
+def quantize_linears(module: nn.Module, isa: str, q4: dict[str, tuple] | bool = False, prefix: str = "") -> nn.Module:
+    """Replace every nn.Linear below `module` (in place; returns `module`) by an Int8Linear, or with `q4`
+    by a Q4Linear: from the given GGUF blocks {module name: (q, d, m)}, or (True) quantized here."""
     for name, child in module.named_children():
+        full = f"{prefix}{name}"
         if isinstance(child, nn.Linear):
-            setattr(module, name, Int8Linear.from_linear(child, isa))
+            if isinstance(q4, dict) and full in q4:
+                new = Q4Linear(*q4[full], child.bias, isa)
+            elif q4 is True and child.in_features % 32 == 0:
+                new = Q4Linear.from_linear(child, isa)
+            else:
+                new = Int8Linear.from_linear(child, isa)
+            setattr(module, name, new)
         else:
-            quantize_linears(child, isa)
+            quantize_linears(child, isa, q4, full + ".")
     return module
 
 
-def quantize_target(model: nn.Module, isa: str) -> nn.Module:
-    """int8 target: every linear, the LM head, and a tied embedding sharing the head's rows."""
+def quantize_target(model: nn.Module, isa: str, q4: dict[str, tuple] | bool = False) -> nn.Module:
+    """A quantized target: the LM head int8 (a tied embedding shares its rows), every other linear int8,
+    or Q4_1 with `q4` (see quantize_linears)."""
     if model.lm_head is None:  # tied: one int8 copy serves as head and as embedding
         model.lm_head = Int8Linear(model.embed_tokens.weight.float(), None, isa)
         model.embed_tokens = Int8TiedEmbedding(model.lm_head)
-    quantize_linears(model, isa)
-    model.attention_kernel = isa  # batch-invariant attention: a tree row rounds as the one-token step does
+    elif isinstance(model.lm_head, nn.Linear):  # int8 even with q4: a reduced draft vocabulary slices its rows
+        model.lm_head = Int8Linear.from_linear(model.lm_head, isa)
+    quantize_linears(model, isa, q4)
+    use_cpu_kernels(model, isa)
+    return model
+
+
+def use_cpu_kernels(model: nn.Module, isa: str) -> nn.Module:
+    """Route norms, SwiGLU and attention through the fused C++ ops (fewer calls per decode step) and the
+    batch-invariant attention kernel (a tree row rounds exactly as the one-token step does)."""
+    kernel = "avx512_vnni" if isa == "avx512_vnni" else "avx2" if isa == "avx2" else "scalar"
+    for m in model.modules():
+        if hasattr(m, "kernel_isa"):  # norms and MLPs that have a fused C++ form
+            m.kernel_isa = kernel
+    if hasattr(model, "attention_kernel"):
+        model.attention_kernel = kernel
     return model
 
 

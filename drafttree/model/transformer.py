@@ -14,6 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from drafttree.ops.attention import rope_tree_attention
+
 from .kv_cache import KVCache, check_room
 from .layers import AttentionMask, RMSNorm, RotaryTable, SwiGLU, apply_rotary, attend
 
@@ -34,9 +36,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, mask, cache: KVCache, layer: int) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask: AttentionMask, cache: KVCache, layer: int) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv(x).split([self.n_heads * d, self.n_kv * d, self.n_kv * d], dim=-1)
+        qkv = self.qkv(x)
+        if mask.kernel_isa is not None:  # q/k norms, RoPE, cache write and attention: one C++ call
+            out = rope_tree_attention(qkv, cos, sin, cache.k[layer], cache.v[layer], mask.past, mask.tree,
+                                      self.n_heads, self.n_kv, mask.kernel_isa, self.q_norm, self.k_norm)
+            return self.o(out)
+        q, k, v = qkv.split([self.n_heads * d, self.n_kv * d, self.n_kv * d], dim=-1)
         q = q.view(t, self.n_heads, d).transpose(0, 1)
         k = k.view(t, self.n_kv, d).transpose(0, 1)
         v = v.view(t, self.n_kv, d).transpose(0, 1)

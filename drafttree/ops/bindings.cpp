@@ -5,8 +5,20 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor sw, t
                           c10::optional<torch::Tensor> bias, int64_t n_out, int64_t isa);
 torch::Tensor tree_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t past,
                              c10::optional<torch::Tensor> visible, double scale, int64_t isa);
+torch::Tensor rope_tree_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor kc,
+                                  torch::Tensor vc, int64_t past, c10::optional<torch::Tensor> visible,
+                                  int64_t n_heads, int64_t n_kv, double scale, c10::optional<torch::Tensor> q_norm,
+                                  c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa);
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m,
+                        c10::optional<torch::Tensor> bias, int64_t n_out, int64_t isa);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, int64_t isa);
+torch::Tensor silu_mul(torch::Tensor gate_up, int64_t isa);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "int8 x int8 linear with per-row scales on packed weights (ops/int8)");
   m.def("tree_attention", &tree_attention, "row-by-row attention against a KV cache (ops/attention)");
+  m.def("rope_tree_attention", &rope_tree_attention, "RoPE + KV-cache write + tree_attention (ops/attention)");
+  m.def("q4_linear", &q4_linear, "GGUF Q4_1 blocks x per-row int8 activations (ops/q4)");
+  m.def("rms_norm", &rms_norm, "row-wise RMSNorm (ops/pointwise)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up (ops/pointwise)");
 }

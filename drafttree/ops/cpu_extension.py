@@ -1,16 +1,19 @@
-"""The C++ CPU kernels (ops/int8, ops/attention) as one torch extension, compiled once per machine
+"""The C++ CPU kernels (ops/int8, ops/q4, ops/attention, ops/pointwise) as one torch extension, compiled once per machine
 (`make setup` runs `python -m drafttree.ops.cpu_extension`) and cached beside the converted models."""
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "bindings.cpp", HERE / "int8" / "int8_linear.cpp", HERE / "attention" / "tree_attention.cpp"]
+SOURCES = [HERE / "bindings.cpp", HERE / "int8" / "int8_linear.cpp", HERE / "attention" / "tree_attention.cpp",
+           HERE / "pointwise" / "pointwise.cpp", HERE / "q4" / "q4_linear.cpp"]
+HEADERS = [HERE / "vec_math.h"]
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}  # the attention kernel reads 2 as plain AVX-512
 
 
@@ -18,7 +21,7 @@ def build_dir() -> Path:
     from drafttree.gguf_convert import cache_root
 
     digest = hashlib.sha256(torch.__version__.encode())
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         digest.update(src.read_bytes())
     return cache_root() / "ext" / f"cpu-{digest.hexdigest()[:12]}"
 
@@ -32,6 +35,10 @@ def extension():
     if not any(out.glob("*.so")):
         print(f"drafttree: compiling the CPU kernels into {out} (once per machine, about a minute)", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
+    # torch runs `ninja` from PATH; the pip-installed one sits beside this interpreter (venv not activated).
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     # -ffp-contract=off: no implicit fused multiply-adds, so the int8 epilogue rounds as the reference does.
     return load(name="drafttree_cpu", sources=[str(s) for s in SOURCES], build_directory=str(out), verbose=False,
                 extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", "-Wno-psabi"], extra_ldflags=["-fopenmp"])

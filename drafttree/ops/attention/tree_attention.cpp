@@ -15,47 +15,18 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <utility>
 #include <vector>
+
+#include "../vec_math.h"
 
 namespace {
 
+using drafttree::exp256;
+using drafttree::exp512;
+
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-
-// ---- exp on a vector of values <= 0 (Cephes' single-precision polynomial, ~1 ulp) --------------------
-constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f, kP3 = 4.1665795894e-2f,
-                kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
-
-__attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
-  __m512 p = _mm512_set1_ps(kP0);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP1));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP2));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP3));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP4));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP5));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-__attribute__((target("avx2,fma"))) inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
-  __m256 p = _mm256_set1_ps(kP0);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP1));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP2));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP3));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP4));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP5));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
-}
 
 // ---- one query row ---------------------------------------------------------------------------------
 // keys/values: rows `d` floats apart; `idx` lists the visible key rows in order; `w` is n floats of scratch.
@@ -174,6 +145,69 @@ __attribute__((target("avx2,fma"))) void row_avx2(const Row& a) {
   }
 }
 
+// Every (kv head, group member, new row) item: its query, its output, and the keys it sees.
+struct Problem {
+  int64_t H, G, T, past, d;
+  const bool* visible;  // [T, T] or nullptr (causal)
+  const float *keys, *values;
+  int64_t key_head_stride, value_head_stride;
+  float scale;
+  int64_t isa;
+};
+
+template <typename QOut>
+void run_rows(const Problem& pb, QOut q_and_out) {
+  int64_t fast = pb.isa;
+  if ((fast == kAvx512 && (pb.d % 16 || pb.d > 128)) || (fast == kAvx2 && pb.d % 8)) fast = kScalar;
+  at::parallel_for(0, pb.H * pb.G * pb.T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> idx(pb.past + pb.T);
+    std::vector<float> w(pb.past + pb.T);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t h = it / (pb.G * pb.T), g = it / pb.T % pb.G, t = it % pb.T;
+      int64_t n = 0;
+      for (int64_t j = 0; j < pb.past; ++j) idx[n++] = static_cast<int32_t>(j);
+      for (int64_t i = 0; i < pb.T; ++i)
+        if (pb.visible ? pb.visible[t * pb.T + i] : i <= t) idx[n++] = static_cast<int32_t>(pb.past + i);
+      const auto [q, out] = q_and_out(h, g, t);
+      const Row row{q, pb.keys + h * pb.key_head_stride, pb.values + h * pb.value_head_stride, idx.data(), n, pb.d,
+                    pb.scale, w.data(), out};
+      if (fast == kAvx512)
+        row_avx512(row);
+      else if (fast == kAvx2)
+        row_avx2(row);
+      else
+        row_scalar(row);
+    }
+  });
+}
+
+// Optional per-head RMSNorm (qwen3-style q_norm / k_norm) then rotate-half RoPE of one head, as
+// layers.RMSNorm and layers.apply_rotary compute them: x*cos + rotated*sin, each product rounded.
+void rope(const float* src, const float* cos, const float* sin, int64_t d, const float* norm_w, float eps, float* out) {
+  float normed[256];
+  const float* x = src;
+  if (norm_w) {
+    float ss = 0.f;
+    for (int64_t c = 0; c < d; ++c) ss += src[c] * src[c];
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+    for (int64_t c = 0; c < d; ++c) normed[c] = norm_w[c] * (src[c] * r);
+    x = normed;
+  }
+  const int64_t half = d / 2;
+  for (int64_t c = 0; c < d; ++c) {
+    const float rotated = c < half ? -x[c + half] : x[c - half];
+    out[c] = x[c] * cos[c] + rotated * sin[c];
+  }
+}
+
+const bool* mask_ptr(const c10::optional<torch::Tensor>& visible, torch::Tensor& holder, int64_t& T) {
+  if (!visible.has_value() || !visible->defined()) return nullptr;
+  holder = visible->to(torch::kBool).contiguous();
+  TORCH_CHECK(holder.dim() == 2 && holder.size(0) == holder.size(1), "tree_attention: visible must be [T, T]");
+  T = holder.size(0);
+  return holder.data_ptr<bool>();
+}
+
 }  // namespace
 
 // q [Hkv, G*T, d]; keys/values [Hkv, >= past+T, d] with unit stride in d and rows d apart (a KV-cache
@@ -189,44 +223,70 @@ torch::Tensor tree_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor 
   TORCH_CHECK(keys.stride(2) == 1 && keys.stride(1) == d && values.stride(2) == 1 && values.stride(1) == d,
               "tree_attention: keys/values rows must be contiguous");
   // T new rows: the mask's size, or (causal) the keys after `past`.
-  const bool* vis = nullptr;
   torch::Tensor vis_c;
   int64_t T = keys.size(1) - past;
-  if (visible.has_value() && visible->defined()) {
-    vis_c = visible->to(torch::kBool).contiguous();
-    TORCH_CHECK(vis_c.dim() == 2 && vis_c.size(0) == vis_c.size(1), "tree_attention: visible must be [T, T]");
-    T = vis_c.size(0);
-    vis = vis_c.data_ptr<bool>();
-  }
+  const bool* vis = mask_ptr(visible, vis_c, T);
   TORCH_CHECK(past >= 0 && T > 0 && past + T <= keys.size(1), "tree_attention: keys must hold past + T rows");
   TORCH_CHECK(R % T == 0, "tree_attention: q rows must be group * T");
   q = q.contiguous();
   auto out = torch::empty({H, R, d}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
-  const int64_t ks = keys.stride(0), vs = values.stride(0);
   float* op = out.data_ptr<float>();
-  int64_t fast = isa;
-  if ((isa == kAvx512 && (d % 16 || d > 128)) || (isa == kAvx2 && d % 8)) fast = kScalar;
-  at::parallel_for(0, H * R, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> idx(past + T);
-    std::vector<float> w(past + T);
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t h = it / R, r = it % R, t = r % T;
-      int64_t n = 0;
-      for (int64_t j = 0; j < past; ++j) idx[n++] = static_cast<int32_t>(j);
-      for (int64_t i = 0; i < T; ++i)
-        if (vis ? vis[t * T + i] : i <= t) idx[n++] = static_cast<int32_t>(past + i);
-      const Row row{qp + (h * R + r) * d, kp + h * ks, vp + h * vs, idx.data(), n, d, static_cast<float>(scale),
-                    w.data(), op + (h * R + r) * d};
-      if (fast == kAvx512)
-        row_avx512(row);
-      else if (fast == kAvx2)
-        row_avx2(row);
-      else
-        row_scalar(row);
+  const float* qp = q.data_ptr<float>();
+  const Problem pb{H, R / T, T, past, d, vis, keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0),
+                   values.stride(0), static_cast<float>(scale), isa};
+  run_rows(pb, [&](int64_t h, int64_t g, int64_t t) {
+    const int64_t r = (h * pb.G + g) * T + t;
+    return std::pair<const float*, float*>{qp + r * d, op + r * d};
+  });
+  return out;
+}
+
+// The attention half of a decoder layer in one call: RoPE on q and k of the fused projection qkv
+// [T, (Hq + 2 Hkv) d], the new k/v written to the cache rows [past, past + T) of kc/vc [Hkv, Lmax, d],
+// then tree_attention. Returns [T, Hq * d] (heads side by side, as the output projection reads them).
+torch::Tensor rope_tree_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor kc,
+                                  torch::Tensor vc, int64_t past, c10::optional<torch::Tensor> visible,
+                                  int64_t n_heads, int64_t n_kv, double scale, c10::optional<torch::Tensor> q_norm,
+                                  c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa) {
+  TORCH_CHECK(qkv.scalar_type() == torch::kFloat32 && kc.scalar_type() == torch::kFloat32 &&
+                  vc.scalar_type() == torch::kFloat32, "rope_tree_attention: float32 tensors only");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 3 && kc.sizes() == vc.sizes(),
+              "rope_tree_attention: kc/vc must be contiguous [Hkv, Lmax, d]");
+  const int64_t T = qkv.size(0), d = kc.size(2), G = n_heads / n_kv;
+  TORCH_CHECK(kc.size(0) == n_kv && n_heads % n_kv == 0 && qkv.size(1) == (n_heads + 2 * n_kv) * d,
+              "rope_tree_attention: qkv width does not match the heads");
+  TORCH_CHECK(past + T <= kc.size(1), "rope_tree_attention: the cache has no room for T new rows");
+  int64_t Tm = T;
+  torch::Tensor vis_c;
+  const bool* vis = mask_ptr(visible, vis_c, Tm);
+  TORCH_CHECK(Tm == T, "rope_tree_attention: visible must be [T, T]");
+  TORCH_CHECK(d <= 256, "rope_tree_attention: head_dim above 256");
+  torch::Tensor qn, kn;
+  if (q_norm.has_value() && q_norm->defined()) qn = q_norm->to(torch::kFloat32).contiguous();
+  if (k_norm.has_value() && k_norm->defined()) kn = k_norm->to(torch::kFloat32).contiguous();
+  const float* qnp = qn.defined() ? qn.data_ptr<float>() : nullptr;
+  const float* knp = kn.defined() ? kn.data_ptr<float>() : nullptr;
+  const float eps = static_cast<float>(norm_eps);
+  qkv = qkv.contiguous();
+  cos = cos.to(torch::kFloat32).contiguous();
+  sin = sin.to(torch::kFloat32).contiguous();
+  auto qrot = torch::empty({n_heads, T, d}, qkv.options());
+  auto out = torch::empty({T, n_heads * d}, qkv.options());
+  const float *src = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *qp = qrot.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>(), *op = out.data_ptr<float>();
+  const int64_t width = qkv.size(1), Lmax = kc.size(1);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = src + t * width;
+    for (int64_t h = 0; h < n_heads; ++h) rope(row + h * d, cp + t * d, sp + t * d, d, qnp, eps, qp + (h * T + t) * d);
+    for (int64_t h = 0; h < n_kv; ++h) {
+      rope(row + (n_heads + h) * d, cp + t * d, sp + t * d, d, knp, eps, kp + (h * Lmax + past + t) * d);
+      std::memcpy(vp + (h * Lmax + past + t) * d, row + (n_heads + n_kv + h) * d, d * sizeof(float));
     }
+  }
+  const Problem pb{n_kv, G, T, past, d, vis, kp, vp, Lmax * d, Lmax * d, static_cast<float>(scale), isa};
+  run_rows(pb, [&](int64_t h, int64_t g, int64_t t) {
+    const int64_t head = h * G + g;
+    return std::pair<const float*, float*>{qp + (head * T + t) * d, op + t * n_heads * d + head * d};
   });
   return out;
 }

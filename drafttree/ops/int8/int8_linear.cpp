@@ -303,6 +303,15 @@ void gemm(const int8_t* xq, const float* sx, int64_t T, const int8_t* wp, const 
 
 }  // namespace
 
+// Signed per-row quantization of float32 rows (offset 0), shared with the Q4 kernel.
+void quantize_rows_signed(const torch::Tensor& x, int64_t Kp, int64_t isa, int8_t* q, float* scale) {
+  const int64_t T = x.size(0), K = x.size(1);
+  if (isa != kScalar)
+    quantize_rows_fast(x.data_ptr<float>(), T, K, Kp, 0, isa == kAvx512Vnni, q, scale);
+  else
+    quantize_rows(x.data_ptr<float>(), T, K, Kp, 0, q, scale);
+}
+
 // x [T, K] float32/bfloat16; wp int8 packed [P, Kp/4, 16, 4]; sw float32 [>=N]; wsum int32 [>=N];
 // bias float32 [N] or None; n_out = N. Returns [T, N] in x's dtype.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor sw, torch::Tensor wsum,

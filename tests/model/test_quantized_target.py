@@ -1,18 +1,18 @@
-"""The int8 compute path end to end on tiny models: the module swap, bit-exact tree verification,
-and speculative decoding identical to AR decoding on the same path."""
+"""The quantized compute paths (int8, q4) end to end on tiny models: the module swap, bit-exact tree
+verification, and speculative decoding identical to AR decoding on the same path."""
 import pytest
 import torch
 
 from drafttree.engine import generate_ar, generate_speculative
 from drafttree.load import load_target
-from drafttree.model.linear import Int8Linear
+from drafttree.model.linear import Int8Linear, Q4Linear
 from drafttree.proposers import BestFirstPolicy, ChainPolicy, DFlashProposer
 from spec_helpers import TargetCopyProposer, random_drafter_for
 from test_runtime import ancestor_mask, path_to, random_tree_parents
 
 
-def int8_target(path, isa=None):
-    target = load_target(str(path), compute="int8")
+def int8_target(path, isa=None, compute="int8"):
+    target = load_target(str(path), compute=compute)
     if isa is not None:
         for m in target.model.modules():
             if isinstance(m, Int8Linear):
@@ -42,9 +42,10 @@ def test_kernel_model_equals_reference_model(tiny_checkpoint):
     assert torch.equal(fast.model.forward(ids).logits, ref.model.forward(ids).logits)
 
 
-def test_tree_logits_equal_sequential_steps_bit_for_bit(tiny_checkpoint):
-    """On the int8 path every node's logits are exactly those of one-token steps along its path."""
-    m = int8_target(tiny_checkpoint[0]).model
+@pytest.mark.parametrize("compute", ["int8", "q4"])
+def test_tree_logits_equal_sequential_steps_bit_for_bit(tiny_checkpoint, compute):
+    """On the quantized paths every node's logits are exactly those of one-token steps along its path."""
+    m = int8_target(tiny_checkpoint[0], compute=compute).model
     m.setup_cache(128)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, m.config.vocab_size, (9,), generator=gen)
@@ -66,9 +67,10 @@ def test_tree_logits_equal_sequential_steps_bit_for_bit(tiny_checkpoint):
 @pytest.mark.parametrize("make_policy", [ChainPolicy, lambda: BestFirstPolicy(4), lambda: BestFirstPolicy(32)],
                          ids=["chain", "ddtree4", "ddtree32"])
 @pytest.mark.parametrize("noise", [0.0, 3.0])
-def test_greedy_speculation_equals_ar_on_the_int8_path(tiny_checkpoint, make_policy, noise):
+@pytest.mark.parametrize("compute", ["int8", "q4"])
+def test_greedy_speculation_equals_ar_on_the_quantized_paths(tiny_checkpoint, make_policy, noise, compute):
     path, _ = tiny_checkpoint
-    target = int8_target(path)
+    target = int8_target(path, compute=compute)
     proposer = TargetCopyProposer(path, make_policy(), noise=noise)
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
@@ -87,3 +89,46 @@ def test_int8_dflash_drafter_runs_on_the_int8_path(tiny_checkpoint):
     ids = torch.arange(2, 10)
     ar = generate_ar(target, ids, max_new_tokens=24, stop_token_ids=()).tokens
     assert generate_speculative(target, ids, proposer, max_new_tokens=24, stop_token_ids=()).tokens == ar
+
+
+def test_q4_path_holds_4_bit_weights(tiny_checkpoint):
+    model = int8_target(tiny_checkpoint[0], compute="q4").model
+    q4 = [m for m in model.modules() if isinstance(m, Q4Linear)]
+    assert q4 and isinstance(model.lm_head, Int8Linear)
+    for m in q4:  # half a byte a weight, plus fp16 scale and minimum per 32 weights
+        assert m.weight_q4.numel() * 2 >= m.out_features * m.in_features
+        assert m.weight_q4.numel() <= 0.6 * (-(-m.out_features // 16) * 16) * m.in_features
+
+
+def test_fused_drafter_projections_draft_the_same(tiny_checkpoint):
+    """fuse_projections (q/k/v and gate/up as one matmul each) changes no drafted hidden state (fp32)."""
+    import copy
+
+    target = load_target(str(tiny_checkpoint[0]))
+    plain = random_drafter_for(target.model)
+    fused = copy.deepcopy(plain).fuse_projections()
+    feats = torch.randn(7, plain.config.context_dim)
+    outs = []
+    for d in (plain, fused):
+        d.reset()
+        d.extend_context(feats, torch.arange(7))
+        outs.append(d.draft(d.block_embeds(3, target.model.embed), 7))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
+def test_drafter_on_the_fused_kernels_drafts_the_same(tiny_checkpoint):
+    """The drafter's one-call-per-layer path (C++ norms, RoPE, attention) against its PyTorch path (fp32)."""
+    import copy
+
+    from drafttree.model.linear import use_cpu_kernels
+
+    target = load_target(str(tiny_checkpoint[0]))
+    plain = random_drafter_for(target.model)
+    fused = use_cpu_kernels(copy.deepcopy(plain).fuse_projections(), "scalar")
+    feats = torch.randn(9, plain.config.context_dim)
+    outs = []
+    for d in (plain, fused):
+        d.reset()
+        d.extend_context(feats, torch.arange(9))
+        outs.append(d.draft(d.block_embeds(3, target.model.embed), 9))
+    assert torch.allclose(outs[0], outs[1], atol=1e-4)

@@ -1,0 +1,235 @@
+// GGUF Q4_1 weights (w = d*q + m per block of 32, q in 0..15, d and m fp16) times int8 activations
+// quantized per block of 32 (as llama.cpp's Q8_1), for small batches of rows. Reference: naive.py.
+//
+// y[t, n] = sum_b sx[t,b] * ( d[n,b] * sum_{k in b} q[n,k] * xq[t,k]  +  m[n,b] * sum_{k in b} xq[t,k] )
+//
+// The weights are used as the GGUF stores them (no re-quantization): 20 bytes per 32 weights, 0.625
+// bytes a weight. Each block's integer dot product is exact; the float sum over blocks runs in block
+// order with the same instructions whatever the number of rows, so a row's result does not depend on
+// the batch (tree verify == one-token step, bit for bit).
+//
+// Packed layout (pack.py): panels of 16 output columns; q as [P][K/8][16][4] bytes whose low nibble
+// holds k = 8j..8j+3 and high nibble k = 8j+4..8j+7 of column c; d and m as fp16 [P][K/32][16].
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int kPanel = 16, kBlock = 32;
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+
+struct Args {
+  const int8_t* x;      // quantized input rows, K bytes apart
+  const int32_t* xsum;  // per row, per block: sum of the quantized inputs, K/32 apart
+  const float* xscale;  // per row, per block: the inputs' scale, K/32 apart
+  const uint8_t* q;     // first panel of the tile; panels q_stride bytes apart
+  const uint16_t* d;    // fp16 block scales / mins of the first panel; panels dm_stride halves apart
+  const uint16_t* m;
+  int64_t K, q_stride, dm_stride;
+  float* acc;           // [TT][NP*16] block-summed floats (before the row scale)
+};
+
+inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+template <int NP, int TT>
+void tile_scalar(const Args& a) {
+  const int64_t nb = a.K / kBlock;
+  for (int i = 0; i < TT; ++i)
+    for (int p = 0; p < NP; ++p)
+      for (int c = 0; c < kPanel; ++c) {
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+          int32_t s = 0;
+          for (int64_t j = 4 * b; j < 4 * b + 4; ++j) {
+            const uint8_t* line = a.q + p * a.q_stride + j * 64 + c * 4;
+            for (int e = 0; e < 4; ++e) {
+              s += int32_t(line[e] & 15) * a.x[i * a.K + 8 * j + e];
+              s += int32_t(line[e] >> 4) * a.x[i * a.K + 8 * j + 4 + e];
+            }
+          }
+          const float dv = half_to_float(a.d[p * a.dm_stride + b * kPanel + c]);
+          const float mv = half_to_float(a.m[p * a.dm_stride + b * kPanel + c]);
+          const float v = std::fma(dv, static_cast<float>(s), mv * static_cast<float>(a.xsum[i * nb + b]));
+          acc = std::fma(a.xscale[i * nb + b], v, acc);
+        }
+        a.acc[i * NP * kPanel + p * kPanel + c] = acc;
+      }
+}
+
+// VNNI: vpdpbusd multiplies the unsigned nibbles by the signed inputs directly (no offset needed).
+template <int NP, int TT>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const Args& a) {
+  const int64_t nb = a.K / kBlock;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 facc[TT][NP];
+  for (int i = 0; i < TT; ++i)
+    for (int p = 0; p < NP; ++p) facc[i][p] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i iacc[TT][NP];
+    for (int i = 0; i < TT; ++i)
+      for (int p = 0; p < NP; ++p) iacc[i][p] = _mm512_setzero_si512();
+    for (int64_t j = 4 * b; j < 4 * b + 4; ++j) {
+      __m512i lo[NP], hi[NP];
+      for (int p = 0; p < NP; ++p) {
+        const __m512i v = _mm512_loadu_si512(a.q + p * a.q_stride + j * 64);
+        lo[p] = _mm512_and_si512(v, low);
+        hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      for (int i = 0; i < TT; ++i) {
+        int32_t xa, xb;
+        std::memcpy(&xa, a.x + i * a.K + 8 * j, 4);
+        std::memcpy(&xb, a.x + i * a.K + 8 * j + 4, 4);
+        const __m512i va = _mm512_set1_epi32(xa), vb = _mm512_set1_epi32(xb);
+        for (int p = 0; p < NP; ++p) {
+          iacc[i][p] = _mm512_dpbusd_epi32(iacc[i][p], lo[p], va);
+          iacc[i][p] = _mm512_dpbusd_epi32(iacc[i][p], hi[p], vb);
+        }
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      const int64_t off = p * a.dm_stride + b * kPanel;
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.d + off)));
+      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + off)));
+      for (int i = 0; i < TT; ++i) {
+        const __m512 v = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(iacc[i][p]),
+                                         _mm512_mul_ps(mv, _mm512_set1_ps(static_cast<float>(a.xsum[i * nb + b]))));
+        facc[i][p] = _mm512_fmadd_ps(_mm512_set1_ps(a.xscale[i * nb + b]), v, facc[i][p]);
+      }
+    }
+  }
+  for (int i = 0; i < TT; ++i)
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(a.acc + (i * NP + p) * kPanel, facc[i][p]);
+}
+
+// AVX2: maddubs multiplies unsigned nibbles (<= 15) by signed inputs (|x| <= 127): pairs stay far below
+// the 16-bit saturation, so no sign trick is needed.
+template <int TT>
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Args& a) {
+  const int64_t nb = a.K / kBlock;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 facc[TT][2];
+  for (int i = 0; i < TT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i iacc[TT][2];
+    for (int i = 0; i < TT; ++i) iacc[i][0] = iacc[i][1] = _mm256_setzero_si256();
+    for (int64_t j = 4 * b; j < 4 * b + 4; ++j) {
+      __m256i lo[2], hi[2];
+      for (int h = 0; h < 2; ++h) {  // columns 0-7, 8-15
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + j * 64 + h * 32));
+        lo[h] = _mm256_and_si256(v, low);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      for (int i = 0; i < TT; ++i) {
+        int32_t xa, xb;
+        std::memcpy(&xa, a.x + i * a.K + 8 * j, 4);
+        std::memcpy(&xb, a.x + i * a.K + 8 * j + 4, 4);
+        const __m256i va = _mm256_set1_epi32(xa), vb = _mm256_set1_epi32(xb);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], va), _mm256_maddubs_epi16(hi[h], vb));
+          iacc[i][h] = _mm256_add_epi32(iacc[i][h], _mm256_madd_epi16(s, ones));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const int64_t off = b * kPanel + h * 8;
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.d + off)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.m + off)));
+      for (int i = 0; i < TT; ++i) {
+        const __m256 v = _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(iacc[i][h]),
+                                         _mm256_mul_ps(mv, _mm256_set1_ps(static_cast<float>(a.xsum[i * nb + b]))));
+        facc[i][h] = _mm256_fmadd_ps(_mm256_set1_ps(a.xscale[i * nb + b]), v, facc[i][h]);
+      }
+    }
+  }
+  for (int i = 0; i < TT; ++i)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(a.acc + i * kPanel + h * 8, facc[i][h]);
+}
+
+using TileFn = void (*)(const Args&);
+
+TileFn pick(int64_t isa, int np, int tt) {
+  static const TileFn vnni[2][4] = {{tile_vnni<1, 1>, tile_vnni<1, 2>, tile_vnni<1, 3>, tile_vnni<1, 4>},
+                                    {tile_vnni<2, 1>, tile_vnni<2, 2>, tile_vnni<2, 3>, tile_vnni<2, 4>}};
+  static const TileFn avx2[2] = {tile_avx2<1>, tile_avx2<2>};
+  static const TileFn scalar[2][4] = {{tile_scalar<1, 1>, tile_scalar<1, 2>, tile_scalar<1, 3>, tile_scalar<1, 4>},
+                                      {tile_scalar<2, 1>, tile_scalar<2, 2>, tile_scalar<2, 3>, tile_scalar<2, 4>}};
+  if (isa == kAvx512Vnni) return vnni[np - 1][tt - 1];
+  if (isa == kAvx2) return avx2[tt - 1];
+  return scalar[np - 1][tt - 1];
+}
+
+}  // namespace
+
+// Signed int8 quantization of rows of floats (int8_linear.cpp); here each block of 32 is one "row".
+void quantize_rows_signed(const torch::Tensor& x, int64_t Kp, int64_t isa, int8_t* q, float* scale);
+
+// x [T, K] float32; q uint8 [P, K/8, 16, 4]; d, m fp16 (as int16) [P, K/32, 16]; bias float32 [N] or None.
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m,
+                        c10::optional<torch::Tensor> bias, int64_t n_out, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "q4_linear: x must be float32 [T, K]");
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kUInt8 && q.size(2) == kPanel && q.size(3) == 4 && q.is_contiguous(),
+              "q4_linear: q must be packed uint8 [P, K/8, 16, 4]");
+  const int64_t T = x.size(0), K = x.size(1), P = q.size(0), N = n_out, nb = K / kBlock;
+  TORCH_CHECK(K % kBlock == 0 && q.size(1) * 8 == K && P * kPanel >= N, "q4_linear: packed weights do not match x");
+  TORCH_CHECK(d.is_contiguous() && m.is_contiguous() && d.numel() == P * nb * kPanel && m.numel() == d.numel(),
+              "q4_linear: d/m must be [P, K/32, 16]");
+  x = x.contiguous();
+  auto xq = torch::empty({T, K}, torch::kInt8);
+  auto sx = torch::empty({T, nb}, torch::kFloat32);
+  quantize_rows_signed(x.view({T * nb, kBlock}), kBlock, isa, xq.data_ptr<int8_t>(), sx.data_ptr<float>());
+  auto xsum = torch::empty({T, nb}, torch::kInt32);
+  {
+    const int8_t* xp = xq.data_ptr<int8_t>();
+    int32_t* sp = xsum.data_ptr<int32_t>();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t s = 0;
+        for (int64_t k = 0; k < kBlock; ++k) s += xp[t * K + b * kBlock + k];
+        sp[t * nb + b] = s;
+      }
+  }
+  torch::Tensor bias_f;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bias_f = bias->to(torch::kFloat32).contiguous();
+    bp = bias_f.data_ptr<float>();
+  }
+  auto y = torch::empty({T, N}, x.options());
+  const int8_t* xp = xq.data_ptr<int8_t>();
+  const int32_t* sump = xsum.data_ptr<int32_t>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.data_ptr());
+  const float* sxp = sx.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t q_stride = K / 8 * 64, dm_stride = nb * kPanel;
+  const int max_np = isa == kAvx2 ? 1 : 2, max_tt = isa == kAvx2 ? 2 : 4;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / q_stride);
+  at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[4 * 2 * kPanel];
+    for (int64_t p0 = begin; p0 < end; p0 += max_np) {
+      const int np = static_cast<int>(std::min<int64_t>(max_np, end - p0));
+      for (int64_t t0 = 0; t0 < T; t0 += max_tt) {
+        const int tt = static_cast<int>(std::min<int64_t>(max_tt, T - t0));
+        const Args args{xp + t0 * K, sump + t0 * nb, sxp + t0 * nb, qp + p0 * q_stride, dp + p0 * dm_stride,
+                        mp + p0 * dm_stride, K, q_stride, dm_stride, acc};
+        pick(isa, np, tt)(args);
+        const int cols = np * kPanel;
+        for (int i = 0; i < tt; ++i)
+          for (int c = 0; c < cols && p0 * kPanel + c < N; ++c) {
+            const int64_t n = p0 * kPanel + c, t = t0 + i;
+            float v = acc[i * cols + c];
+            if (bp) v = v + bp[n];
+            yp[t * N + n] = v;
+          }
+      }
+    }
+  });
+  return y;
+}

@@ -1,0 +1,48 @@
+"""The Q4_1 kernel against its float64 reference, its batch invariance, and the GGUF block format."""
+import pytest
+import torch
+
+from drafttree.compute import cpu_info
+from drafttree.ops.q4 import dequantize_q4_1, pack_q4, q4_linear, q4_linear_ref, quantize_q4_1, unpack_gguf_q4_1
+
+ISAS = ["scalar"] + [isa for isa, flag in (("avx2", "avx2"), ("avx512_vnni", "avx512_vnni")) if cpu_info().has(flag)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernel_matches_reference(isa):
+    gen = torch.Generator().manual_seed(0)
+    for t, k, n in [(1, 576, 576), (3, 64, 7), (16, 1536, 576), (5, 576, 1539), (9, 32, 40), (70, 96, 33)]:
+        x, w = torch.randn(t, k, generator=gen), torch.randn(n, k, generator=gen) * 0.05
+        q, d, m = quantize_q4_1(w)
+        packed = pack_q4(q, d, m)
+        for bias in (None, torch.randn(n, generator=gen)):
+            out = q4_linear(x, *packed, bias, n, isa)
+            assert torch.allclose(out, q4_linear_ref(x, q, d, m, bias), rtol=1e-5, atol=1e-5), (t, k, n)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_row_does_not_depend_on_the_batch(isa):
+    x, w = torch.randn(16, 576), torch.randn(300, 576) * 0.05
+    packed = pack_q4(*quantize_q4_1(w))
+    full = q4_linear(x, *packed, None, 300, isa)
+    for i in range(16):
+        assert torch.equal(q4_linear(x[i:i + 1], *packed, None, 300, isa)[0], full[i])
+
+
+def test_quantizer_is_within_half_a_step():
+    w = torch.randn(8, 64)
+    q, d, m = quantize_q4_1(w)
+    step = d.float().repeat_interleave(32, 1)
+    assert ((dequantize_q4_1(q, d, m) - w).abs() <= 0.5 * step + 1e-3).all() and int(q.max()) <= 15
+
+
+def test_gguf_blocks_unpack_as_gguf_dequantizes_them():
+    """Our reading of the shipped file's Q4_1 bytes gives exactly gguf-py's dequantized weights."""
+    import gguf
+
+    from drafttree.gguf_convert import find_embedded_gguf
+
+    reader = gguf.GGUFReader(str(find_embedded_gguf("smollm2-135m-instruct")))
+    t = next(t for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_1)
+    ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(t.data.shape[0], -1)
+    assert torch.equal(dequantize_q4_1(*unpack_gguf_q4_1(t.data)), torch.from_numpy(ref).float())
