@@ -26,6 +26,11 @@ class TreePolicy:
     def observe(self, accepted_draft_nodes: int) -> None:
         pass
 
+    def max_depth(self, depth: int) -> int:
+        """The deepest node this policy can place (a tree of n nodes is at most n deep): the drafter's
+        head runs for no deeper position."""
+        return min(depth, self.max_nodes(depth))
+
 
 @dataclass
 class ChainPolicy(TreePolicy):
@@ -64,6 +69,7 @@ class CostAwarePolicy(TreePolicy):
     cost_model: VerifyCostModel
     max_tree_nodes: int = 128
     recalibrate: bool = False
+    max_tree_depth: int = 8  # deeper nodes' path probabilities rarely pay for the head rows they need on CPU
     name = "caddtree"
 
     def __post_init__(self):
@@ -76,6 +82,9 @@ class CostAwarePolicy(TreePolicy):
 
     def max_nodes(self, depth: int) -> int:
         return self.max_tree_nodes
+
+    def max_depth(self, depth: int) -> int:
+        return min(depth, self.max_tree_nodes, self.max_tree_depth)
 
     def build(self, root: int, logits: torch.Tensor, context_len: int) -> DraftTree:
         if not self.recalibrate:  # the paper's rule: no bookkeeping on the hot path
@@ -105,7 +114,7 @@ class DFlashProposer:
         self.capture_layers = tuple(drafter.config.target_layer_ids)
         self.depth = drafter.config.block_size - 1
         self.max_nodes = policy.max_nodes(self.depth)
-        self.draft_depth = min(self.depth, self.max_nodes)
+        self.draft_depth = policy.max_depth(self.depth)
         self.name = policy.name
         # A reduced draft vocabulary needs the head's rows; otherwise the target's own head (its path) is used.
         self.lm_head = head_rows_source(target_model) if drafter.config.draft_vocab_size else target_model.logits
