@@ -146,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--method", default="caddtree-online", choices=list(METHODS))
     d.add_argument("--budget", type=int, default=16)
+    d.add_argument("--drafter", default=None, help="drafter directory (default: the one shipped for the model)")
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench-runtime", help="AR tokens/s vs transformers, and the forward-cost curve")

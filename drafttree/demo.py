@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .compute import compute_of
 from .load import load_target
-from .methods import SHIPPED_DRAFTERS, generate, make_proposer
+from .methods import SHIPPED_DRAFTERS, generate, load_drafter_for, make_proposer
 
 DEMO_PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                "How many clips did Natalia sell altogether in April and May?")
@@ -14,7 +14,8 @@ def run_demo(a) -> int:
     target = load_target(a.model, compute=compute_of(a), threads=a.threads)
     ids = target.encode_chat(DEMO_PROMPT)
     print(f"model: {target.name}, compute path {target.compute_label}: {target.compute.reason}\nprompt: {DEMO_PROMPT}\n")
-    has_drafter = (SHIPPED_DRAFTERS.get(target.name, SHIPPED_DRAFTERS["smollm2-135m-instruct"]) / "config.json").exists()
+    shipped = SHIPPED_DRAFTERS.get(target.name)
+    has_drafter = a.drafter is not None or (shipped is not None and (shipped / "config.json").exists())
     if not has_drafter:
         print(target.decode(generate("ar", target, ids, a.max_new_tokens).tokens))
         print("(no drafter is shipped for this model: plain autoregressive decoding)")
@@ -23,7 +24,7 @@ def run_demo(a) -> int:
     methods = [] if a.method == "ar" else [a.method] + (["chain"] if a.method != "chain" else [])
     runs = {}
     for m in methods + ["ar"]:
-        proposer = None if m == "ar" else make_proposer(m, target, budget=a.budget)
+        proposer = None if m == "ar" else make_proposer(m, target, load_drafter_for(target, a.drafter), budget=a.budget)
         generate(m, target, ids[:16], 8, proposer=proposer)  # warm-up: first calls pay one-off costs
         runs[m] = generate(m, target, ids, a.max_new_tokens, proposer=proposer)
     print(target.decode(runs[a.method].tokens) + "\n")

@@ -3,6 +3,7 @@ the benchmark and the server turn a method name into a generation call."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -57,7 +58,8 @@ def load_or_profile_cost_model(target: Target, proposer_factory, quiet: bool = F
     if path.exists():
         return VerifyCostModel.load(path)
     if not quiet:
-        print(f"drafttree: no cost model for this machine yet; profiling into {path} (run `drafttree profile` to redo)")
+        print(f"drafttree: no cost model for this machine and compute path yet; profiling into {path} "
+              "(about a minute; `drafttree profile` redoes it)", file=sys.stderr)
     model = profile_costs(target, proposer_factory(), quick=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     model.save(path)

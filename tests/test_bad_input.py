@@ -227,3 +227,18 @@ def test_stale_conversion_temporaries_are_removed(tmp_path):
     os.utime(other, (an_hour_ago, an_hour_ago))
     _remove_stale_temporaries(tmp_path, "m")
     assert not old.exists() and fresh.exists() and other.exists()  # a fresh one may be a conversion in progress
+
+
+def test_replay_streams_that_are_not_an_archive_say_so(tmp_path):
+    from drafttree.bench.replay import load_streams
+
+    bad = tmp_path / "streams.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="not a draft-stream archive"):
+        load_streams(bad, ["gsm8k"])
+
+
+def test_demo_takes_a_drafter_directory():
+    from drafttree.cli import build_parser
+
+    assert build_parser().parse_args(["demo", "--drafter", "some/dir"]).drafter == "some/dir"

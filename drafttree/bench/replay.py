@@ -234,7 +234,16 @@ def record_all(target, proposer, datasets, args) -> dict[str, list[DraftStreams]
 
 
 def load_streams(path, datasets) -> dict[str, list[DraftStreams]]:
-    with np.load(path, allow_pickle=False) as z:
+    import zipfile
+
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, zipfile.BadZipFile) as e:  # numpy's message would suggest unpickling
+        raise ValueError(f"{path} is not a draft-stream archive (.npz written by `drafttree replay`): {type(e).__name__}; "
+                         "drop --streams to record them again") from None
+    if not hasattr(archive, "files"):
+        raise ValueError(f"{path} holds one array, not a draft-stream archive (.npz written by `drafttree replay`)")
+    with archive as z:
         keys = set(z.files)
         streams = {}
         for ds in datasets:

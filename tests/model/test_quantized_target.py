@@ -100,31 +100,19 @@ def test_q4_path_holds_4_bit_weights(tiny_checkpoint):
         assert m.weight_q4.numel() <= 0.6 * (-(-m.out_features // 16) * 16) * m.in_features
 
 
-def test_fused_drafter_projections_draft_the_same(tiny_checkpoint):
-    """fuse_projections (q/k/v and gate/up as one matmul each) changes no drafted hidden state (fp32)."""
-    import copy
-
-    target = load_target(str(tiny_checkpoint[0]))
-    plain = random_drafter_for(target.model)
-    fused = copy.deepcopy(plain).fuse_projections()
-    feats = torch.randn(7, plain.config.context_dim)
-    outs = []
-    for d in (plain, fused):
-        d.reset()
-        d.extend_context(feats, torch.arange(7))
-        outs.append(d.draft(d.block_embeds(3, target.model.embed), 7))
-    assert torch.allclose(outs[0], outs[1], atol=1e-5)
-
-
-def test_drafter_on_the_fused_kernels_drafts_the_same(tiny_checkpoint):
-    """The drafter's one-call-per-layer path (C++ norms, RoPE, attention) against its PyTorch path (fp32)."""
+@pytest.mark.parametrize("kernels", [False, True], ids=["pytorch", "cpu-kernels"])
+def test_fused_drafter_drafts_the_same(tiny_checkpoint, kernels):
+    """fuse_projections (q/k/v and gate/up as one matmul each), and with `kernels` the one-call-per-layer
+    C++ path (norms, RoPE, attention), draft the same hidden states as the plain PyTorch drafter (fp32)."""
     import copy
 
     from drafttree.model.linear import use_cpu_kernels
 
     target = load_target(str(tiny_checkpoint[0]))
     plain = random_drafter_for(target.model)
-    fused = use_cpu_kernels(copy.deepcopy(plain).fuse_projections(), "scalar")
+    fused = copy.deepcopy(plain).fuse_projections()
+    if kernels:
+        use_cpu_kernels(fused, "scalar")
     feats = torch.randn(9, plain.config.context_dim)
     outs = []
     for d in (plain, fused):
