@@ -43,7 +43,8 @@ class LlamaCpp:
     """llama.cpp through llama-cpp-python on the model's GGUF; `lookup` > 0 adds prompt-lookup drafts."""
 
     def __init__(self, gguf: Path, threads: int, lookup: int = 0):
-        from llama_cpp import Llama, LlamaPromptLookupDecoding
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup else None
         self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=4096,
