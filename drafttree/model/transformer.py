@@ -140,7 +140,9 @@ class Transformer(nn.Module):
             if bool(tree_mask[:, :past].all()):
                 tree_mask, kernel = tree_mask[:, past:], self.attention_kernel
         elif tree_mask.shape == (t, t):
-            visible, kernel = torch.cat([torch.ones(t, past, dtype=torch.bool), tree_mask], dim=1), self.attention_kernel
+            if self.attention_kernel is not None:  # the kernel reads the [T, T] part; the prefix is always seen
+                return AttentionMask(past, tree_mask, None, self.attention_kernel)
+            visible, kernel = torch.cat([torch.ones(t, past, dtype=torch.bool), tree_mask], dim=1), None
         else:
             raise ValueError(f"tree_mask must be [T, T] or [T, cache_len + T] = [{t}, {past + t}], got {tuple(tree_mask.shape)}")
         if kernel is not None:
