@@ -135,18 +135,16 @@ class Transformer(nn.Module):
             tree_mask = torch.ones(t, t, dtype=torch.bool).tril_()
         if tree_mask.dtype != torch.bool:
             raise TypeError(f"tree_mask must be a bool tensor, got {tree_mask.dtype}")
-        if tree_mask.shape == (t, past + t):
-            visible, kernel = tree_mask, None  # a hidden committed key: only the matmul path masks those
-            if bool(tree_mask[:, :past].all()):
-                tree_mask, kernel = tree_mask[:, past:], self.attention_kernel
-        elif tree_mask.shape == (t, t):
+        if tree_mask.shape == (t, past + t) and bool(tree_mask[:, :past].all()):
+            tree_mask = tree_mask[:, past:]  # every committed key visible: the usual case
+        if tree_mask.shape == (t, t):
             if self.attention_kernel is not None:  # the kernel reads the [T, T] part; the prefix is always seen
                 return AttentionMask(past, tree_mask, None, self.attention_kernel)
-            visible, kernel = torch.cat([torch.ones(t, past, dtype=torch.bool), tree_mask], dim=1), None
+            visible = torch.cat([torch.ones(t, past, dtype=torch.bool), tree_mask], dim=1)
+        elif tree_mask.shape == (t, past + t):
+            visible = tree_mask  # a hidden committed key: only the matmul path masks those
         else:
             raise ValueError(f"tree_mask must be [T, T] or [T, cache_len + T] = [{t}, {past + t}], got {tuple(tree_mask.shape)}")
-        if kernel is not None:
-            return AttentionMask(past, tree_mask, None, kernel)
         return AttentionMask(past, tree_mask, additive_mask(visible, group, self.dtype))
 
     @torch.inference_mode()
