@@ -51,6 +51,60 @@ def check_finite(name: str, value) -> float:
     raise InputError(f"{name} must be a finite number, got {value!r}")
 
 
+def check_token_ids(ids, vocab_size, what: str = "prompt"):
+    """`ids` as a 1-D torch.LongTensor, or an InputError naming the problem: a list, tuple or tensor (torch or
+    numpy) of integers (Python, numpy or 0-d torch), non-empty, each in [0, vocab_size). Floats and bools
+    are refused rather than truncated or read as 0/1, which would silently decode a different prompt."""
+    import torch
+
+    vocab_size = check_positive_int("vocab_size", vocab_size)
+    if isinstance(ids, (str, bytes)):
+        raise InputError(f"{what} must be token ids, got text {ids[:40]!r}: encode it first (target.encode)")
+    if not isinstance(ids, torch.Tensor):
+        if hasattr(ids, "__array__") and hasattr(ids, "dtype"):  # a numpy array: checked as a tensor below
+            try:
+                ids = torch.from_numpy(ids)
+            except TypeError:
+                raise InputError(f"{what} token ids must be integers, got an array of dtype {ids.dtype}") from None
+        elif isinstance(ids, (list, tuple)):
+            values = []
+            for i, x in enumerate(ids):
+                if isinstance(x, torch.Tensor) and x.ndim == 0 and not x.dtype.is_floating_point \
+                        and not x.dtype.is_complex and x.dtype != torch.bool:
+                    x = int(x)
+                elif isinstance(x, (list, tuple)) or (isinstance(x, torch.Tensor) and x.ndim > 0):
+                    raise InputError(f"{what} token ids must be a flat (1-D) sequence, got a nested one at position {i}")
+                elif not _is_int(x):
+                    kind = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+                    raise InputError(f"{what} token ids must be integers, got {kind} {x!r} at position {i}")
+                _check_token_range(int(x), i, vocab_size, what)  # here too: an id beyond int64 breaks torch.tensor
+                values.append(int(x))
+            ids = torch.tensor(values, dtype=torch.long)
+        else:
+            raise InputError(f"{what} token ids must be a list, tuple or tensor of integers, got {type(ids).__name__}")
+    if ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex:
+        raise InputError(f"{what} token ids must be integers, got a tensor of dtype {ids.dtype} "
+                         "(convert with .long() only if the values are whole token ids)")
+    if ids.ndim != 1:
+        raise InputError(f"{what} token ids must be a 1-D sequence, got shape {tuple(ids.shape)}"
+                         + (" (one prompt at a time: pass ids[0])" if ids.ndim == 2 and ids.shape[0] == 1 else ""))
+    if ids.numel() == 0:
+        raise InputError(f"{what} is empty: give at least one token id")
+    ids = ids.detach().to(device="cpu", dtype=torch.long)
+    bad = torch.nonzero((ids < 0) | (ids >= vocab_size)).flatten()
+    if bad.numel():
+        _check_token_range(int(ids[int(bad[0])]), int(bad[0]), vocab_size, what)
+    return ids
+
+
+def _check_token_range(token: int, i: int, vocab_size: int, what: str) -> None:
+    if token < 0:
+        raise InputError(f"{what} token id {token} at position {i} is negative: token ids are 0..{vocab_size - 1}")
+    if token >= vocab_size:
+        raise InputError(f"{what} token id {token} at position {i} is >= the vocabulary size {vocab_size} (ids are "
+                         f"0..{vocab_size - 1}): were the ids made by another model's tokenizer?")
+
+
 def check_sampling(temperature, top_p, top_k) -> None:
     """temperature >= 0 (0 = greedy), 0 < top_p <= 1, top_k >= 0 (0 = off); nan and inf are refused:
     nan compares false with everything, so it would slip through plain range checks."""

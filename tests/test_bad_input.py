@@ -242,3 +242,47 @@ def test_demo_takes_a_drafter_directory():
     from drafttree.cli import build_parser
 
     assert build_parser().parse_args(["demo", "--drafter", "some/dir"]).drafter == "some/dir"
+
+
+# ---- token ids (the Python API: validate.check_token_ids) --------------------------------------------
+
+
+def test_check_token_ids_accepts_integer_sequences():
+    import numpy as np
+
+    from drafttree.validate import check_token_ids
+
+    for ids in ([1, 2, 3], (1, 2, 3), torch.tensor([1, 2, 3]), torch.tensor([1, 2, 3], dtype=torch.int32),
+                [torch.tensor(1), np.int64(2), 3], np.array([1, 2, 3])):
+        out = check_token_ids(ids, 10)
+        assert out.dtype == torch.long and out.tolist() == [1, 2, 3]
+    assert check_token_ids([0, 9], 10).tolist() == [0, 9]  # both ends of the vocabulary
+
+
+@pytest.mark.parametrize("ids, words", [
+    ([1, 2.0, 3], ["integers", "float", "position 1"]), ([1, True], ["integers", "bool", "position 1"]),
+    (torch.tensor([1.0, 2.0]), ["integers", "torch.float32"]), (torch.tensor([True, False]), ["integers", "torch.bool"]),
+    ([torch.tensor(1.5)], ["integers", "float32"]), ([torch.tensor(True)], ["integers", "bool"]),
+    ([[1, 2], [3, 4]], ["1-D"]), (torch.tensor([[1, 2]]), ["1-D", "(1, 2)", "ids[0]"]),
+    ([], ["empty"]), (torch.tensor([], dtype=torch.long), ["empty"]),
+    ([3, -1], ["-1", "position 1", "negative"]), (torch.tensor([3, -1]), ["-1", "negative"]),
+    ([3, 10], ["10", "position 1", ">= the vocabulary size 10"]), (torch.tensor([10]), ["10", "vocabulary size 10"]),
+    ([2 ** 70], ["vocabulary size"]), ("hello", ["text", "encode"]), (None, ["list, tuple or tensor"]),
+])
+def test_check_token_ids_refuses(ids, words):
+    from drafttree.validate import check_token_ids
+
+    with pytest.raises(InputError) as e:
+        check_token_ids(ids, 10)
+    assert str(e.value).startswith("prompt ")
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_check_token_ids_names_what_it_checks():
+    from drafttree.validate import check_token_ids
+
+    with pytest.raises(InputError, match="^reply token id 12"):
+        check_token_ids([12], 10, what="reply")
+    with pytest.raises(InputError, match="vocab_size"):
+        check_token_ids([1], 0)
