@@ -162,10 +162,22 @@ def create_app(target, decoder, *, model_id: str | None = None, methods=None, de
                 raise P.bad_request(f"the prompt could not be tokenized ({type(e).__name__}: {e})",
                                     code="invalid_value") from None
 
+    reserves: dict[str, int] = {}
+
+    def reserve(method: str) -> int:
+        """Rows a Sequence of `method` allocates beyond prompt + max_tokens: one for the pending token and,
+        speculative, the largest draft tree (Proposer.max_nodes); the model's context bounds them all."""
+        if method not in reserves:
+            get = getattr(decoder, "proposer", None)  # a fake decoder in tests has none
+            proposer = None if get is None else get(method)  # built at start-up by `drafttree serve`
+            reserves[method] = 0 if get is None else 1 + (0 if proposer is None else int(proposer.max_nodes))
+        return reserves[method]
+
     def submit(prompt_ids: list[int], settings: P.Settings, param: str):
         import torch
 
-        max_tokens = P.fit_context(len(prompt_ids), settings.max_tokens, max_context, default_max_tokens, param)
+        max_tokens = P.fit_context(len(prompt_ids), settings.max_tokens, max_context, default_max_tokens, param,
+                                   reserve(settings.method), settings.method)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
         def deliver(event):

@@ -44,27 +44,67 @@ class CharTokenizer:
 
 
 @pytest.fixture(scope="session")
-def tiny_target(tmp_path_factory):
-    """The tiny llama (fp32, random weights) with the character tokenizer and no stop token."""
-    from drafttree.load import load_target
+def tiny_path(tmp_path_factory):
     from tiny_models import make_tiny_checkpoint
 
     path = tmp_path_factory.mktemp("serve_tiny")
     make_tiny_checkpoint("llama", path)
-    model = load_target(str(path)).model
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_path):
+    """The tiny llama (fp32, random weights) with the character tokenizer and no stop token."""
+    from drafttree.load import load_target
+
+    model = load_target(str(tiny_path)).model
     return Target(model=model, tokenizer=CharTokenizer(model.config.vocab_size), name="tiny-llama")
+
+
+def synthetic_cost_model():
+    from drafttree.costmodel import ConvexCost, VerifyCostModel
+
+    return VerifyCostModel(context_lens=(0,), curves=(ConvexCost(knots=(1.0, 8.0, 64.0), values=(10.0, 12.0, 40.0)),),
+                           draft_ms=3.0)
 
 
 @pytest.fixture(scope="session")
 def tiny_decoder(tiny_target):
-    from drafttree.costmodel import ConvexCost, VerifyCostModel
+    """The real Decoder on the tiny model, with a random DFlash drafter (its drafts are rarely accepted)."""
     from drafttree.methods import Decoder
     from spec_helpers import random_drafter_for
 
-    cost = VerifyCostModel(context_lens=(0,), curves=(ConvexCost(knots=(1.0, 8.0, 64.0), values=(10.0, 12.0, 40.0)),),
-                           draft_ms=3.0)
     return Decoder(tiny_target, drafter=random_drafter_for(tiny_target.model), budget=8, max_tree_nodes=32,
-                   cost_model=cost)
+                   cost_model=synthetic_cost_model())
+
+
+class CopyDecoder:
+    """Sequences whose drafts come from a second copy of the tiny target (spec_helpers.TargetCopyProposer):
+    deep accepted paths, partial acceptance and rejection in every round; "ddtree" drafts with noise."""
+
+    def __init__(self, target, path):
+        from drafttree.proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy
+        from spec_helpers import TargetCopyProposer
+
+        self.target = target
+        self.proposers = {"chain": TargetCopyProposer(path, ChainPolicy()),
+                          "ddtree": TargetCopyProposer(path, BestFirstPolicy(8), noise=3.0),
+                          "caddtree": TargetCopyProposer(path, CostAwarePolicy(synthetic_cost_model(), 32), noise=1.0)}
+
+    def proposer(self, method):
+        return None if method == "ar" else self.proposers[method]
+
+    def sequence(self, method, prompt_ids, max_new_tokens=256, sampling=None, stop_token_ids=None):
+        from drafttree.engine import Sequence
+        from drafttree.sampling import SamplingParams
+
+        return Sequence(self.target, prompt_ids, self.proposer(method), max_new_tokens, sampling or SamplingParams(),
+                        stop_token_ids)
+
+
+@pytest.fixture(scope="session")
+def copy_decoder(tiny_target, tiny_path):
+    return CopyDecoder(tiny_target, tiny_path)
 
 
 # ---- a live server ---------------------------------------------------------------------------------
