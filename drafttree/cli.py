@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("rest", nargs=argparse.REMAINDER)
     t.set_defaults(func=cmd_train)
 
+    from .serve.cli import add_parser as serve_parser  # `drafttree serve`: the OpenAI-compatible server
+    serve_parser(sub)
+
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     for sp in sub.choices.values():  # `drafttree generate ... --debug` too; SUPPRESS keeps the top-level value
         if sp is not t:  # train passes everything after its first word on

@@ -48,12 +48,42 @@ def check_serve_args(a) -> None:
         raise InputError("--api-key must not be empty")
 
 
+def available_methods(decoder, default: str) -> tuple[str, ...]:
+    """Every method whose proposer can be built here, built now (the drafter loads once; the cost-aware
+    methods share one cost model, profiled once per machine), so no request pays for it. Without a drafter
+    for the model only "ar" is served, unless the default method needs one: then that is the error."""
+    from ..methods import METHODS
+
+    methods = ["ar"]
+    for m in METHODS[1:]:
+        try:
+            decoder.proposer(m)
+        except FileNotFoundError as e:
+            if default != "ar":
+                raise
+            print(f"drafttree serve: only method ar: {e}", file=sys.stderr)
+            break
+        methods.append(m)
+    return tuple(methods)
+
+
+def warm_up(decoder, target, method: str) -> None:
+    """One short decode: first calls pay one-off costs (allocations, kernel dispatch)."""
+    from ..sampling import SamplingParams
+
+    seq = decoder.sequence(method, target.encode_chat("Hi"), max_new_tokens=4, sampling=SamplingParams())
+    try:
+        while not seq.done:
+            seq.step()
+    finally:
+        seq.close()
+
+
 def cmd_serve(a) -> int:
     import uvicorn
 
     from ..load import load_target
     from ..methods import Decoder
-    from ..sampling import SamplingParams
     from .app import create_app
 
     check_serve_args(a)
@@ -65,18 +95,15 @@ def cmd_serve(a) -> int:
     if target.tokenizer is None:
         raise InputError(f"{a.model} has no tokenizer files: the server reads and writes text")
     decoder = Decoder(target, drafter=a.drafter, budget=a.budget)
-    if not a.no_warmup:  # first calls pay one-off costs (and caddtree profiles the machine once, about a minute)
-        seq = decoder.sequence(a.method, target.encode_chat("Hi"), max_new_tokens=4, sampling=SamplingParams())
-        try:
-            while not seq.done:
-                seq.step()
-        finally:
-            seq.close()
-    app = create_app(target, decoder, model_id=a.served_model_name or a.model, default_method=a.method,
-                     api_key=api_key, max_concurrency=a.max_concurrency, max_waiting=a.max_waiting,
-                     max_body_bytes=a.max_body_bytes, default_max_tokens=a.default_max_tokens)
-    print(f"drafttree serve: http://{a.host}:{a.port}/v1 serving {a.served_model_name or a.model} "
-          f"({target.compute_label}), default method {a.method}, {a.max_concurrency} requests at once"
-          f"{', API key required' if api_key else ''}", file=sys.stderr)
+    methods = available_methods(decoder, a.method)
+    if not a.no_warmup:
+        warm_up(decoder, target, a.method)
+    name = a.served_model_name or a.model
+    app = create_app(target, decoder, model_id=name, methods=methods, default_method=a.method, api_key=api_key,
+                     max_concurrency=a.max_concurrency, max_waiting=a.max_waiting, max_body_bytes=a.max_body_bytes,
+                     default_max_tokens=a.default_max_tokens)
+    print(f"drafttree serve: http://{a.host}:{a.port}/v1 serving {name} ({target.compute_label}); methods "
+          f"{', '.join(methods)} (default {a.method}); {a.max_concurrency} requests decoded at once"
+          f"{'; API key required' if api_key else ''}", file=sys.stderr)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
     return 0
