@@ -64,6 +64,16 @@ def _json(status: int, body: dict) -> JSONResponse:
     return JSONResponse(P.finite(body), status_code=status)
 
 
+def _reserve(decoder, method: str) -> int:
+    """Rows a Sequence of `method` allocates beyond prompt + max_tokens: one for the pending token and,
+    speculative, the largest draft tree (Proposer.max_nodes); the model's context bounds them all."""
+    get = getattr(decoder, "proposer", None)  # a fake decoder in tests has none
+    if get is None:
+        return 0
+    proposer = get(method)
+    return 1 + (0 if proposer is None else int(proposer.max_nodes))
+
+
 def create_app(target, decoder, *, model_id: str | None = None, methods=None, default_method: str = "caddtree-online",
                api_key: str | None = None, max_concurrency: int = 8, max_waiting: int = 1024,
                max_body_bytes: int = MAX_BODY_BYTES, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
@@ -80,6 +90,7 @@ def create_app(target, decoder, *, model_id: str | None = None, methods=None, de
     vocab_size = int(target.model.config.vocab_size)
     tok_lock = threading.Lock()
     decode_tok = _LockedTokenizer(target.tokenizer, tok_lock)
+    reserves = {m: _reserve(decoder, m) for m in methods}  # builds every method's proposer now, not on a request
     scheduler = Scheduler(decoder, max_concurrency=max_concurrency, max_waiting=max_waiting)
     created = P.now()
 
@@ -162,22 +173,11 @@ def create_app(target, decoder, *, model_id: str | None = None, methods=None, de
                 raise P.bad_request(f"the prompt could not be tokenized ({type(e).__name__}: {e})",
                                     code="invalid_value") from None
 
-    reserves: dict[str, int] = {}
-
-    def reserve(method: str) -> int:
-        """Rows a Sequence of `method` allocates beyond prompt + max_tokens: one for the pending token and,
-        speculative, the largest draft tree (Proposer.max_nodes); the model's context bounds them all."""
-        if method not in reserves:
-            get = getattr(decoder, "proposer", None)  # a fake decoder in tests has none
-            proposer = None if get is None else get(method)  # built at start-up by `drafttree serve`
-            reserves[method] = 0 if get is None else 1 + (0 if proposer is None else int(proposer.max_nodes))
-        return reserves[method]
-
     def submit(prompt_ids: list[int], settings: P.Settings, param: str):
         import torch
 
         max_tokens = P.fit_context(len(prompt_ids), settings.max_tokens, max_context, default_max_tokens, param,
-                                   reserve(settings.method), settings.method)
+                                   reserves[settings.method], settings.method)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
         def deliver(event):
