@@ -28,19 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import DEFAULT_MAX_TOKENS, MAX_BODY_BYTES
 from . import protocol as P
-from .scheduler import Job, QueueFull, Scheduler
+from .scheduler import Job, QueueFull, Scheduler, ShuttingDown
 from .text import OutputText
-
-
-class _LockedTokenizer:
-    """The tokenizer behind one lock: requests encode on the app's threads while the worker decodes."""
-
-    def __init__(self, tokenizer, lock: threading.Lock):
-        self._tok, self._lock = tokenizer, lock
-
-    def decode(self, ids, **kwargs) -> str:
-        with self._lock:
-            return self._tok.decode(ids, **kwargs)
 
 
 class _SSEResponse(StreamingResponse):
@@ -58,6 +47,18 @@ class _SSEResponse(StreamingResponse):
             pass
         finally:
             self.on_close()
+
+
+def _rss_bytes() -> int | None:
+    """This process's resident memory (Linux), for /health."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _json(status: int, body: dict) -> JSONResponse:
@@ -88,8 +89,9 @@ def create_app(target, decoder, *, model_id: str | None = None, methods=None, de
     model_id = model_id or target.name
     max_context = int(target.model.config.max_position_embeddings)
     vocab_size = int(target.model.config.vocab_size)
-    tok_lock = threading.Lock()
-    decode_tok = _LockedTokenizer(target.tokenizer, tok_lock)
+    # Prompts are encoded one at a time on the thread pool; the worker decodes replies meanwhile without a
+    # lock (a fast tokenizer's encode and decode only read it), so a huge prompt never stalls the streams.
+    encode_lock = threading.Lock()
     reserves = {m: _reserve(decoder, m) for m in methods}  # builds every method's proposer now, not on a request
     scheduler = Scheduler(decoder, max_concurrency=max_concurrency, max_waiting=max_waiting)
     created = P.now()
@@ -166,7 +168,7 @@ def create_app(target, decoder, *, model_id: str | None = None, methods=None, de
         return req, P.check_settings(req, methods, default_method, max_context)
 
     def encode(fn, *args):
-        with tok_lock:
+        with encode_lock:
             try:
                 return [int(t) for t in fn(*args)]
             except Exception as e:  # e.g. a chat template that refuses this sequence of roles
@@ -184,9 +186,11 @@ def create_app(target, decoder, *, model_id: str | None = None, methods=None, de
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
         job = Job(settings.method, torch.tensor(prompt_ids, dtype=torch.long), max_tokens, settings.sampling,
-                  OutputText(decode_tok, settings.stops), deliver)
+                  OutputText(target.tokenizer, settings.stops), deliver)
         try:
             scheduler.submit(job)
+        except ShuttingDown as e:
+            raise P.ApiError(503, str(e), type="server_error", code="unavailable") from None
         except QueueFull as e:
             raise P.ApiError(429, f"the server is busy: {e}; retry later", type="rate_limit_error",
                              code="rate_limit_exceeded") from None
@@ -260,7 +264,10 @@ def create_app(target, decoder, *, model_id: str | None = None, methods=None, de
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_id, **scheduler.health()}
+        h = scheduler.health()
+        ok = h["worker_alive"]
+        return _json(200 if ok else 503, {"status": "ok" if ok else "error: the decode worker is not running",
+                                          "model": model_id, **h, "rss_bytes": _rss_bytes()})
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -33,6 +33,10 @@ class QueueFull(Exception):
     """More requests wait than the server accepts."""
 
 
+class ShuttingDown(QueueFull):
+    """The scheduler is stopping: no new requests."""
+
+
 @dataclass(eq=False)
 class Job:
     method: str
@@ -90,7 +94,7 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         with self._cv:
             if self._stopping:
-                raise QueueFull("the server is shutting down")
+                raise ShuttingDown("the server is shutting down")
             if len(self._waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting")
             self._waiting.append(job)

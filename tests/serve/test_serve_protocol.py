@@ -235,3 +235,31 @@ def test_server_is_unharmed_after_all_bad_input(server):
     assert good_reply(base) == CharTokenizer().decode(
         [(CharTokenizer().apply_chat_template([{"role": "user", "content": "hi"}])["input_ids"][-1] + k) % 200
          for k in range(1, 5)])
+
+
+def test_health_and_a_stopped_worker():
+    app = create_app(fake_target(MAX_CONTEXT), FakeDecoder(), model_id="fake", methods=("ar",), default_method="ar")
+    with live_server(app) as base:
+        s, h, _ = request(base, "GET", "/health")
+        assert s == 200 and h["status"] == "ok" and h["rss_bytes"] > 0 and h["worker_alive"]
+        app.state.scheduler.stop()
+        s, h, _ = request(base, "GET", "/health")
+        assert s == 503 and not h["worker_alive"]
+        s, body, _ = request(base, "POST", CHAT, chat())
+        assert_error(s, body, 503, code="unavailable")
+
+
+def test_queue_full_is_429():
+    dec = FakeDecoder(delay=0.02)
+    app = create_app(fake_target(MAX_CONTEXT), dec, model_id="fake", methods=("ar",), default_method="ar",
+                     max_concurrency=1, max_waiting=1)
+    with live_server(app) as base:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(lambda _: request(base, "POST", CHAT, chat(max_tokens=20)), range(6)))
+        statuses = sorted(s for s, _, _ in replies)
+        assert statuses[0] == 200 and statuses[-1] == 429, statuses
+        for s, body, _ in replies:
+            if s == 429:
+                assert_error(s, body, 429, code="rate_limit_exceeded")
