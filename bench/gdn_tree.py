@@ -93,18 +93,17 @@ def bench_model(sizes, prefix: int, rounds: int, seed: int) -> tuple[dict, list[
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for n in tqdm(sizes, desc="hybrid model verify"):
-        model.reset()
-        model.setup_cache(prefix + rounds * n + 1)
-        model.prefill(torch.randint(0, cfg.vocab_size, (prefix,), generator=gen))
+        state = model.new_state(prefix + rounds * n + 1)
+        model.prefill(state, torch.randint(0, cfg.vocab_size, (prefix,), generator=gen))
         verify, commit = [], []
         for _ in range(rounds):
             parents = make_parents("local", n, gen)
             M = ancestor_mask(parents)
             tokens = torch.randint(0, cfg.vocab_size, (n,), generator=gen)
             t0 = time.perf_counter()
-            model.forward(tokens, positions=model.cache_len + M.sum(1) - 1, tree_mask=M)
+            model.forward(state, tokens, positions=state.length + M.sum(1) - 1, tree_mask=M)
             t1 = time.perf_counter()
-            model.commit(torch.tensor(path_of(parents, int(M.sum(1).argmax()))))
+            model.commit(state, torch.tensor(path_of(parents, int(M.sum(1).argmax()))))
             t2 = time.perf_counter()
             verify.append((t1 - t0) * 1e3)
             commit.append((t2 - t1) * 1e3)

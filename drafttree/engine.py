@@ -1,5 +1,7 @@
 """Decode loops: plain autoregressive decoding (the reference) and speculative decoding with any proposer.
 
+A `Sequence` is one request: its prompt, its state in the target model and the proposer, the tokens so
+far; `step()` runs one round. Sequences are independent, so a server interleaves their rounds.
 Speculation is lossless by construction: every emitted token is the target's own choice (its argmax,
 or a sample from `sampling_probs`) given the committed prefix; drafts only decide how many of those
 choices one target forward can confirm.
@@ -12,9 +14,12 @@ from typing import Callable
 
 import torch
 
+from .model.verify_input import VerifyInput
+from .protocols import Proposer
 from .sampling import SamplingParams, next_token, sampling_probs
 from .stats import GenerationStats
 from .target import Target
+from .validate import check_int, check_token_ids
 from .verify import Acceptance, accept_greedy, accept_sampling
 
 
@@ -25,84 +30,6 @@ class GenerationResult:
     text: str | None = None
 
 
-class _Emitter:
-    """Collects new tokens, stops at a stop token or max_new_tokens, streams to a callback."""
-
-    def __init__(self, max_new_tokens: int, stop_ids: set[int], on_tokens: Callable[[list[int]], None] | None):
-        self.tokens: list[int] = []
-        self.max_new, self.stop_ids, self.on_tokens = max_new_tokens, stop_ids, on_tokens
-        self.done = max_new_tokens <= 0
-
-    def add(self, new: list[int]) -> None:
-        room = self.max_new - len(self.tokens)
-        kept = new[:room]
-        for i, t in enumerate(kept):
-            if t in self.stop_ids:
-                kept = kept[: i + 1]
-                self.done = True
-                break
-        self.tokens.extend(kept)
-        if len(self.tokens) >= self.max_new:
-            self.done = True
-        if kept and self.on_tokens is not None:
-            self.on_tokens(kept)
-
-
-def _check_prompt(prompt_ids: torch.Tensor) -> torch.Tensor:
-    prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.long)
-    if prompt_ids.ndim != 1 or prompt_ids.numel() == 0:
-        raise ValueError(f"prompt must be a non-empty 1-D sequence of token ids, got shape {tuple(prompt_ids.shape)}")
-    return prompt_ids
-
-
-def _start(target: Target, prompt_ids, max_new_tokens, slack, stop_token_ids, method):
-    prompt_ids = _check_prompt(prompt_ids)
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    model = target.model
-    vocab = model.config.vocab_size
-    if int(prompt_ids.max()) >= vocab or int(prompt_ids.min()) < 0:
-        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-    model.reset()
-    model.setup_cache(prompt_ids.numel() + max_new_tokens + slack + 1)
-    stops = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
-    return prompt_ids, model, stops, GenerationStats(method, prompt_tokens=prompt_ids.numel())
-
-
-def generate_ar(
-    target: Target,
-    prompt_ids,
-    max_new_tokens: int = 256,
-    sampling: SamplingParams = SamplingParams(),
-    stop_token_ids=None,
-    on_tokens: Callable[[list[int]], None] | None = None,
-) -> GenerationResult:
-    """Plain autoregressive decoding: one target forward per token."""
-    prompt_ids, model, stops, stats = _start(target, prompt_ids, max_new_tokens, 0, stop_token_ids, "ar")
-    gen = None if sampling.greedy else sampling.generator()
-    out = _Emitter(max_new_tokens, stops, on_tokens)
-    if out.done:
-        return GenerationResult(out.tokens, stats)
-    t0 = time.perf_counter()
-    logits = model.prefill(prompt_ids).logits[-1]
-    stats.prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    first = torch.zeros(1, dtype=torch.long)
-    while True:
-        token = next_token(logits, sampling, gen).view(1)
-        out.add([int(token)])
-        stats.rounds += 1
-        stats.accept_lengths.append(1)
-        if out.done:
-            break
-        with stats.timed("verify_s"):
-            logits = model.forward(token).logits[-1]
-            model.commit(first)
-    stats.total_s = time.perf_counter() - t0
-    stats.new_tokens = len(out.tokens)
-    return GenerationResult(out.tokens, stats)
-
-
 def walk_tree(tree, logits: torch.Tensor, sampling: SamplingParams, gen) -> Acceptance:
     """Greedy: follow the target's argmax; sampling: sample the target at each visited node (lossless)."""
     if sampling.greedy:
@@ -110,47 +37,129 @@ def walk_tree(tree, logits: torch.Tensor, sampling: SamplingParams, gen) -> Acce
     return accept_sampling(tree, lambda i: sampling_probs(logits[i], sampling), gen)
 
 
-def generate_speculative(
-    target: Target,
-    prompt_ids,
-    proposer,
-    max_new_tokens: int = 256,
-    sampling: SamplingParams = SamplingParams(),
-    stop_token_ids=None,
-    on_tokens: Callable[[list[int]], None] | None = None,
-) -> GenerationResult:
-    """Draft a tree, verify it in one target forward, commit the accepted path, repeat."""
-    prompt_ids, model, stops, stats = _start(target, prompt_ids, max_new_tokens, proposer.max_nodes, stop_token_ids,
-                                             proposer.name)
-    gen = None if sampling.greedy else sampling.generator()
-    out = _Emitter(max_new_tokens, stops, on_tokens)
-    if out.done:
-        return GenerationResult(out.tokens, stats)
-    layers = proposer.capture_layers
-    t0 = time.perf_counter()
-    pre = model.prefill(prompt_ids, capture_layers=layers)
-    proposer.begin(prompt_ids, pre.features)  # the drafter's prompt pass counts as prefill, and is reported
-    root = int(next_token(pre.logits[-1], sampling, gen))
-    stats.prefill_s = time.perf_counter() - t0
-    out.add([root])
-    t0 = time.perf_counter()
-    while not out.done:
-        start = model.cache_len
+class Sequence:
+    """One request's decode. Without a proposer every step is one AR token; with one, a draft round."""
+
+    def __init__(self, target: Target, prompt_ids, proposer: Proposer | None = None, max_new_tokens: int = 256,
+                 sampling: SamplingParams = SamplingParams(), stop_token_ids=None):
+        model = target.model
+        self.prompt = check_token_ids(prompt_ids, model.config.vocab_size)
+        self.max_new = check_int("max_new_tokens", max_new_tokens, minimum=0)
+        self.model, self.proposer, self.sampling = model, proposer, sampling
+        self.stop_ids = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
+        self.stats = GenerationStats("ar" if proposer is None else proposer.name, prompt_tokens=self.prompt.numel())
+        slack = 0 if proposer is None else proposer.max_nodes  # scratch rows of one tree
+        self.state = model.new_state(self.prompt.numel() + self.max_new + slack + 1)
+        self.draft_state = None
+        self.gen = None if sampling.greedy else sampling.generator()
+        self.tokens: list[int] = []
+        self.root: int | None = None  # the last emitted token: not in the KV cache yet
+        self.finish_reason: str | None = "length" if self.max_new == 0 else None
+        self._busy = 0.0  # seconds inside step(): the request's own clock
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def state_bytes(self) -> int:
+        if self.state is None:
+            return 0
+        return self.state.nbytes + getattr(self.draft_state, "nbytes", 0)
+
+    def clock(self) -> float:
+        return self._busy + (time.perf_counter() - self._step_t0)
+
+    def step(self) -> list[int]:
+        """One round; the first prefills. Returns the tokens it emitted ([] once done)."""
+        if self.done:
+            return []
+        self._step_t0 = t0 = time.perf_counter()
+        if self.root is None:
+            new = self._prefill()
+        else:
+            new = self._round() if self.proposer is not None else self._ar_step()
+        self._busy += time.perf_counter() - t0
+        emitted = self._emit(new)
+        if self.done:
+            self.close()
+        return emitted
+
+    def _prefill(self) -> list[int]:
+        layers = () if self.proposer is None else self.proposer.capture_layers
+        pre = self.model.prefill(self.state, self.prompt, capture_layers=layers)
+        if self.proposer is not None:  # the drafter's prompt pass counts as prefill, and is reported
+            self.draft_state = self.proposer.begin(self.prompt, pre.features, self.clock)
+        self.stats.prefill_s = time.perf_counter() - self._step_t0
+        return [int(next_token(pre.logits[-1], self.sampling, self.gen))]
+
+    def _ar_step(self) -> list[int]:
+        t0 = time.perf_counter()
+        logits = self.model.forward(self.state, torch.tensor([self.root])).logits[-1]
+        self.model.commit(self.state, torch.zeros(1, dtype=torch.long))
+        self.stats.verify_s += time.perf_counter() - t0
+        return [int(next_token(logits, self.sampling, self.gen))]
+
+    def _round(self) -> list[int]:
+        """Draft a tree, verify it in one target forward, commit the accepted path."""
+        proposer, stats, start, layers = self.proposer, self.stats, self.state.length, self.proposer.capture_layers
         with stats.timed("draft_s"):
-            drafted = proposer.draft(root, start)
+            drafted = proposer.draft(self.draft_state, self.root, start)
         with stats.timed("tree_s"):
-            tree = proposer.build_tree(root, drafted, start)
+            tree = proposer.build_tree(self.draft_state, self.root, drafted, start)
         with stats.timed("verify_s"):
-            res = model.forward(tree.tokens, tree.positions(start), tree.ancestor_mask, capture_layers=layers)
-            acc = walk_tree(tree, res.logits, sampling, gen)
-            model.commit(acc.nodes)
+            res = self.model.verify(self.state, VerifyInput.of_tree(tree, start), capture_layers=layers)
+            acc = walk_tree(tree, res.logits, self.sampling, self.gen)
+            self.model.commit(self.state, acc.nodes)
         with stats.timed("draft_s"):
-            proposer.observe(tree.tokens[acc.nodes], None if layers == () else res.features[acc.nodes], start)
-        out.add(acc.committed_tokens(tree).tolist())
+            features = None if layers == () else res.features[acc.nodes]
+            proposer.advance(self.draft_state, tree.tokens[acc.nodes], features, start)
         stats.rounds += 1
         stats.accept_lengths.append(acc.nodes.numel())
         stats.tree_sizes.append(tree.num_draft_nodes)
-        root = acc.bonus_token
-    stats.total_s = time.perf_counter() - t0
-    stats.new_tokens = len(out.tokens)
-    return GenerationResult(out.tokens, stats)
+        return acc.committed_tokens(tree).tolist()
+
+    def _emit(self, new: list[int]) -> list[int]:
+        """Keep tokens up to a stop token or max_new_tokens; the kept last one is the next round's root."""
+        kept = new[: self.max_new - len(self.tokens)]
+        for i, t in enumerate(kept):
+            if t in self.stop_ids:
+                kept, self.finish_reason = kept[: i + 1], "stop"
+                break
+        self.tokens.extend(kept)
+        if self.finish_reason is None and len(self.tokens) >= self.max_new:
+            self.finish_reason = "length"
+        self.root = kept[-1] if kept else self.root
+        if self.proposer is None:  # an AR token is a round that accepted nothing but its own
+            self.stats.rounds += 1
+            self.stats.accept_lengths.append(1)
+        self.stats.new_tokens = len(self.tokens)
+        self.stats.total_s = self._busy - self.stats.prefill_s
+        return kept
+
+    def close(self) -> None:
+        """Free the request's state (KV rows, drafter context); idempotent."""
+        self.state = self.draft_state = None
+        if self.finish_reason is None:
+            self.finish_reason = "cancelled"
+
+
+def run_to_end(seq: Sequence, on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+    while not seq.done:
+        new = seq.step()
+        if new and on_tokens is not None:
+            on_tokens(new)
+    return GenerationResult(seq.tokens, seq.stats)
+
+
+def generate_ar(target: Target, prompt_ids, max_new_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
+                stop_token_ids=None, on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+    """Plain autoregressive decoding: one target forward per token."""
+    return run_to_end(Sequence(target, prompt_ids, None, max_new_tokens, sampling, stop_token_ids), on_tokens)
+
+
+def generate_speculative(target: Target, prompt_ids, proposer: Proposer, max_new_tokens: int = 256,
+                         sampling: SamplingParams = SamplingParams(), stop_token_ids=None,
+                         on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+    """Draft a tree, verify it in one target forward, commit the accepted path, repeat."""
+    return run_to_end(Sequence(target, prompt_ids, proposer, max_new_tokens, sampling, stop_token_ids), on_tokens)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .engine import GenerationResult, generate_ar, generate_speculative
+from .engine import GenerationResult, Sequence, generate_ar, generate_speculative
 from .gguf_convert import cache_root
 from .sampling import SamplingParams
 from .target import Target
@@ -83,6 +83,40 @@ def make_proposer(method: str, target: Target, drafter=None, budget: int = 16, c
             cost_model = load_or_profile_cost_model(target, lambda: DFlashProposer(drafter, target.model, ChainPolicy()))
         policy = CostAwarePolicy(cost_model, max_tree_nodes, recalibrate=method == "caddtree-online")
     return DFlashProposer(drafter, target.model, policy)
+
+
+class Decoder:
+    """One target with its drafter and cost model loaded once; makes independent sequences for any
+    method (proposers are stateless and shared; each sequence holds its own state)."""
+
+    def __init__(self, target: Target, drafter=None, budget: int = 16, max_tree_nodes: int = 128, cost_model=None):
+        self.target, self.budget, self.max_tree_nodes, self.cost_model = target, budget, max_tree_nodes, cost_model
+        self._drafter_source = drafter  # a path, a loaded drafter, or None (the shipped one)
+        self._drafter = None if drafter is None or isinstance(drafter, (str, Path)) else drafter
+        self._proposers: dict[str, object] = {}
+
+    @property
+    def drafter(self):
+        if self._drafter is None:
+            self._drafter = load_drafter_for(self.target, self._drafter_source)
+        return self._drafter
+
+    def proposer(self, method: str):
+        """None for "ar"; otherwise the method's proposer, built on first use."""
+        if method == "ar":
+            return None
+        if method not in self._proposers:
+            self._proposers[method] = make_proposer(method, self.target, self.drafter, self.budget, self.cost_model,
+                                                    self.max_tree_nodes)
+            if method in COST_AWARE and self.cost_model is None:
+                self.cost_model = self._proposers[method].policy.cost_model  # profiled once for both
+        return self._proposers[method]
+
+    def sequence(self, method: str, prompt_ids, max_new_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
+                 stop_token_ids=None) -> Sequence:
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}: choose from {METHODS}")
+        return Sequence(self.target, prompt_ids, self.proposer(method), max_new_tokens, sampling, stop_token_ids)
 
 
 def generate(method: str, target: Target, prompt_ids, max_new_tokens: int = 256, sampling: SamplingParams = SamplingParams(),

@@ -11,6 +11,7 @@ import torch
 
 from .compute import compute_of
 from .costmodel import VerifyCostModel, profile_grid
+from .model.verify_input import VerifyInput
 from .tree import random_tree
 
 FULL_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 129)
@@ -27,30 +28,30 @@ def profile_costs(target, proposer, quick: bool = False, repeats: int | None = N
     repeats = repeats or (3 if quick else 7)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    model.setup_cache(max(contexts) + max(tokens) + proposer.drafter.config.block_size + 1)
-    prefilled = {"ctx": None}
+    room = max(contexts) + max(tokens) + proposer.drafter.config.block_size + 1
+    prefilled = {"ctx": None, "state": None, "draft_state": None}
 
     def ensure_context(ctx: int) -> None:
         if prefilled["ctx"] != ctx:  # contexts are the outer loop: one prefill per context length
-            model.reset()
+            prefilled["state"] = state = model.new_state(room)
             ids = torch.randint(0, vocab, (ctx,), generator=gen)
-            out = model.prefill(ids, capture_layers=proposer.capture_layers) if ctx else None
+            out = model.prefill(state, ids, capture_layers=proposer.capture_layers) if ctx else None
             if out is not None:
-                proposer.begin(ids, out.features)
+                prefilled["draft_state"] = proposer.begin(ids, out.features)
             prefilled["ctx"] = ctx
 
     def measure_verify(n: int, ctx: int) -> float:
         ensure_context(ctx)
         tree = random_tree(n - 1, vocab, "random", gen) if n > 1 else random_tree(0, vocab, "chain", gen)
         t0 = time.perf_counter()
-        res = model.forward(tree.tokens, tree.positions(ctx), tree.ancestor_mask, capture_layers=proposer.capture_layers)
+        res = model.verify(prefilled["state"], VerifyInput.of_tree(tree, ctx), capture_layers=proposer.capture_layers)
         res.logits.argmax(-1)
         return (time.perf_counter() - t0) * 1e3
 
     def measure_draft(ctx: int) -> float:
         ensure_context(ctx)
         t0 = time.perf_counter()
-        proposer.draft(int(torch.randint(0, vocab, (1,), generator=gen)), ctx)
+        proposer.draft(prefilled["draft_state"], int(torch.randint(0, vocab, (1,), generator=gen)), ctx)
         return (time.perf_counter() - t0) * 1e3
 
     return profile_grid(measure_verify, tokens, contexts, repeats=repeats, warmup=1,

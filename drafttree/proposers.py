@@ -1,29 +1,29 @@
 """Proposers: what a speculative round verifies. A DFlash drafter gives per-position marginals;
-a tree policy turns them into a chain, a fixed-budget DDTree or a cost-aware CaDDTree."""
+a tree policy turns them into a chain, a fixed-budget DDTree or a cost-aware CaDDTree.
+Interfaces: drafttree.protocols; per-request state: DFlashState (the caller holds it)."""
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .costmodel import VerifyCostModel, build_caddtree
+from .drafter.model import DraftContext
 from .model.linear import head_rows_source
+from .protocols import Clock
 from .recalibrate import RoundCalibrator
 from .tree import DraftTree, build_best_first_tree, build_chain_tree
 
 
-class TreePolicy:
-    """How a round's marginals become a tree. `begin` starts a generation; `observe` hears how many
-    draft nodes the target accepted (only the adaptive policy listens)."""
+class _Stateless:
+    """Policies whose trees depend on the marginals alone."""
 
-    name = "tree"
+    def new_state(self, clock) -> None:
+        return None
 
-    def begin(self) -> None:
-        pass
-
-    def observe(self, accepted_draft_nodes: int) -> None:
+    def record_acceptance(self, state, accepted_draft_nodes: int) -> None:
         pass
 
     def max_depth(self, depth: int) -> int:
@@ -33,7 +33,7 @@ class TreePolicy:
 
 
 @dataclass
-class ChainPolicy(TreePolicy):
+class ChainPolicy(_Stateless):
     """The drafter's argmax at every depth (DFlash's own loop)."""
 
     name = "chain"
@@ -41,12 +41,12 @@ class ChainPolicy(TreePolicy):
     def max_nodes(self, depth: int) -> int:
         return depth
 
-    def build(self, root: int, logits: torch.Tensor, context_len: int) -> DraftTree:
+    def build(self, state, root: int, logits: torch.Tensor, context_len: int) -> DraftTree:
         return build_chain_tree(root, logits.argmax(-1))
 
 
 @dataclass
-class BestFirstPolicy(TreePolicy):
+class BestFirstPolicy(_Stateless):
     """DDTree: the `budget` most probable prefixes under the drafter's marginals."""
 
     budget: int
@@ -55,16 +55,25 @@ class BestFirstPolicy(TreePolicy):
     def max_nodes(self, depth: int) -> int:
         return self.budget
 
-    def build(self, root: int, logits: torch.Tensor, context_len: int) -> DraftTree:
+    def build(self, state, root: int, logits: torch.Tensor, context_len: int) -> DraftTree:
         return build_best_first_tree(root, logits.log_softmax(-1), self.budget)
 
 
 @dataclass
-class CostAwarePolicy(TreePolicy):
+class CalibrationState:
+    """caddtree-online's per-request memory: what its rounds took and accepted."""
+
+    clock: Clock
+    calibrator: RoundCalibrator = field(default_factory=RoundCalibrator)
+    last_round: tuple[float, float, float] | None = None  # (build time, modelled ms, Φ) of the round in flight
+
+
+@dataclass
+class CostAwarePolicy:
     """CaDDTree: grow the best-first tree while modelled throughput (1 + Φ)/(C_d + C_v(n, ℓ)) improves.
 
-    With `recalibrate`, the round times and acceptances seen so far correct the cost model's
-    unmodelled overhead and the drafter's confidence (drafttree.recalibrate)."""
+    With `recalibrate`, the round times and acceptances seen so far in the request correct the cost
+    model's unmodelled overhead and the drafter's confidence (drafttree.recalibrate)."""
 
     cost_model: VerifyCostModel
     max_tree_nodes: int = 128
@@ -74,11 +83,9 @@ class CostAwarePolicy(TreePolicy):
 
     def __post_init__(self):
         self.name = "caddtree-online" if self.recalibrate else "caddtree"
-        self.calibrator = RoundCalibrator()
-        self._last_round = None  # (build time, modelled ms, Φ) of the round in flight
 
-    def begin(self) -> None:
-        self._last_round = None  # the gap across generations (prefill, caller) is not a round
+    def new_state(self, clock: Clock) -> CalibrationState | None:
+        return CalibrationState(clock) if self.recalibrate else None
 
     def max_nodes(self, depth: int) -> int:
         return self.max_tree_nodes
@@ -86,28 +93,39 @@ class CostAwarePolicy(TreePolicy):
     def max_depth(self, depth: int) -> int:
         return min(depth, self.max_tree_nodes, self.max_tree_depth)
 
-    def build(self, root: int, logits: torch.Tensor, context_len: int) -> DraftTree:
-        if not self.recalibrate:  # the paper's rule: no bookkeeping on the hot path
+    def build(self, state: CalibrationState | None, root: int, logits: torch.Tensor, context_len: int) -> DraftTree:
+        if state is None:  # the paper's rule: no bookkeeping on the hot path
             return build_caddtree(root, logits.log_softmax(-1), self.cost_model, context_len, self.max_tree_nodes)[0]
-        now = time.perf_counter()
-        cal = self.calibrator
-        if self._last_round is not None:
+        now, cal = state.clock(), state.calibrator
+        if state.last_round is not None:
             # build-to-build = this round's verify + commit + context update + next draft
-            cal.observe_time(self._last_round[1], (now - self._last_round[0]) * 1e3)
+            cal.observe_time(state.last_round[1], (now - state.last_round[0]) * 1e3)
         overhead = cal.overhead_ms
         tree, sel = build_caddtree(root, logits.log_softmax(-1), self.cost_model, context_len, self.max_tree_nodes,
                                    overhead, cal.accept_scale)
         phi = sum(math.exp(n.path_logprob) for n in sel.nodes)  # unscaled: what the drafter itself predicted
-        self._last_round = (now, sel.round_ms - overhead, phi)
+        state.last_round = (now, sel.round_ms - overhead, phi)
         return tree
 
-    def observe(self, accepted_draft_nodes: int) -> None:
-        if self._last_round is not None:  # set only when recalibrating
-            self.calibrator.observe_acceptance(self._last_round[2], accepted_draft_nodes)
+    def record_acceptance(self, state: CalibrationState | None, accepted_draft_nodes: int) -> None:
+        if state is not None and state.last_round is not None:
+            state.calibrator.observe_acceptance(state.last_round[2], accepted_draft_nodes)
+
+
+@dataclass
+class DFlashState:
+    """One request's proposer state: the drafter's context and the policy's memory."""
+
+    context: DraftContext
+    policy: object | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.context.nbytes
 
 
 class DFlashProposer:
-    """Drafts with a DFlash drafter whose context K/V grow only by newly committed tokens."""
+    """Drafts with a DFlash drafter whose per-request context K/V grow only by newly committed tokens."""
 
     def __init__(self, drafter, target_model, policy):
         self.drafter, self.model, self.policy = drafter, target_model, policy
@@ -119,24 +137,26 @@ class DFlashProposer:
         # A reduced draft vocabulary needs the head's rows; otherwise the target's own head (its path) is used.
         self.lm_head = head_rows_source(target_model) if drafter.config.draft_vocab_size else target_model.logits
 
-    def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor) -> None:
+    def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor, clock: Clock = time.perf_counter) -> DFlashState:
         """Drafter prefill: context K/V of the whole prompt."""
-        self.drafter.reset()
-        self.policy.begin()
-        self.drafter.extend_context(prompt_features, torch.arange(prompt_features.shape[0]))
+        state = DFlashState(self.drafter.new_context(prompt_features.shape[0] + self.drafter.config.block_size + 64),
+                            self.policy.new_state(clock))
+        self.drafter.extend_context(state.context, prompt_features, torch.arange(prompt_features.shape[0]))
+        return state
 
-    def draft(self, root: int, start: int) -> torch.Tensor:
+    def draft(self, state: DFlashState, root: int, start: int) -> torch.Tensor:
         """[D, V] drafter logits for positions start+1 .. start+D, D = the deepest node the policy can place
         (a tree of n nodes is at most n deep): no head rows for depths no tree reaches."""
         block = self.drafter.block_embeds(root, self.model.embed)
-        hidden = self.drafter.draft(block, start)
+        hidden = self.drafter.draft(state.context, block, start)
         return self.drafter.draft_logits(hidden[1:1 + self.draft_depth], self.lm_head)
 
-    def build_tree(self, root: int, logits: torch.Tensor, start: int) -> DraftTree:
-        return self.policy.build(root, logits, start)
+    def build_tree(self, state: DFlashState, root: int, logits: torch.Tensor, start: int) -> DraftTree:
+        return self.policy.build(state.policy, root, logits, start)
 
-    def observe(self, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor, start: int) -> None:
+    def advance(self, state: DFlashState, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor,
+                start: int) -> None:
         """Append the accepted nodes (root first) to the drafter's context."""
         n = accepted_features.shape[0]
-        self.policy.observe(n - 1)
-        self.drafter.extend_context(accepted_features, torch.arange(start, start + n))
+        self.policy.record_acceptance(state.policy, n - 1)
+        self.drafter.extend_context(state.context, accepted_features, torch.arange(start, start + n))

@@ -18,30 +18,29 @@ class TargetCopyProposer:
         self.name = policy.name
         self.gen = torch.Generator().manual_seed(seed)
 
-    def begin(self, prompt_ids, prompt_features):
-        self.policy.begin()
-        self.copy.reset()
-        self.copy.setup_cache(512)
-        self.copy.prefill(prompt_ids)
+    def begin(self, prompt_ids, prompt_features, clock=None):
+        state = {"copy": self.copy.new_state(512), "policy": self.policy.new_state(clock)}
+        self.copy.prefill(state["copy"], prompt_ids)
+        return state
 
-    def draft(self, root, start):
-        rows, tok = [], torch.tensor([root])
+    def draft(self, state, root, start):
+        rows, tok, st = [], torch.tensor([root]), state["copy"]
         for _ in range(self.depth):
-            logits = self.copy.forward(tok).logits[0]
-            self.copy.commit(torch.tensor([0]))
+            logits = self.copy.forward(st, tok).logits[0]
+            self.copy.commit(st, torch.tensor([0]))
             logits = logits + self.noise * torch.randn(logits.shape, generator=self.gen)
             rows.append(logits)
             tok = logits.argmax().view(1)
-        self.copy.cache.truncate(start)
+        st.kv.truncate(start)
         return torch.stack(rows)
 
-    def build_tree(self, root, logits, start):
-        return self.policy.build(root, logits, start)
+    def build_tree(self, state, root, logits, start):
+        return self.policy.build(state["policy"], root, logits, start)
 
-    def observe(self, tokens, features, start):
-        self.policy.observe(tokens.numel() - 1)
-        self.copy.forward(tokens)
-        self.copy.commit(torch.arange(tokens.numel()))
+    def advance(self, state, tokens, features, start):
+        self.policy.record_acceptance(state["policy"], tokens.numel() - 1)
+        self.copy.forward(state["copy"], tokens)
+        self.copy.commit(state["copy"], torch.arange(tokens.numel()))
 
 
 def random_drafter_for(model, layers=2, block_size=8, seed=0) -> DFlashDrafter:

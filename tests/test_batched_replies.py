@@ -20,9 +20,7 @@ def test_batched_replies_match_runtime(tiny_checkpoint):
     for p, (tokens, feats, plen) in zip(prompts, out):
         reply = generate_ar(target, p, max_new_tokens=12, stop_token_ids=()).tokens
         assert plen == p.numel() and tokens.tolist() == p.tolist() + reply[:-1]  # the last reply token is only predicted
-        model.reset()
-        model.setup_cache(64)
-        ref = model.prefill(tokens, capture_layers=layers).features
+        ref = model.prefill(model.new_state(64), tokens, capture_layers=layers).features
         assert feats.shape == ref.shape
         torch.testing.assert_close(feats, ref, atol=1e-4, rtol=1e-4)
 

@@ -44,8 +44,7 @@ def test_divergence_gap_measures_ars_own_logits(tiny_checkpoint):
     other = ar[:5] + [(ar[5] + 1) % target.model.config.vocab_size] + ar[6:]
     at, gap = lossless.divergence_gap(target, ids, ar, other)
     model = target.model
-    model.reset()
-    logits = model.forward(torch.cat([ids, torch.tensor(ar[:5])])).logits[-1]
+    logits = model.forward(model.new_state(16), torch.cat([ids, torch.tensor(ar[:5])])).logits[-1]
     assert at == 5 and gap > 0
     assert abs(gap - float(logits[ar[5]] - logits[other[5]])) < 1e-4
     assert lossless.divergence_gap(target, ids, ar, ar[:7]) == (7, float("inf"))

@@ -49,9 +49,9 @@ def test_published_layout_loads_and_runs(tmp_path, aliases):
     assert torch.equal(d.fc.weight, tensors["encoder.fc.weight" if aliases else "fc.weight"].float())
     assert torch.equal(d.layers[1].mlp.down_proj.weight, tensors["layers.1.mlp.down_proj.weight"].float())
     emb = torch.randn(100, H)
-    d.reset()
-    d.extend_context(torch.randn(10, K * H), torch.arange(10))
-    h = d.draft(d.block_embeds(5, emb), 10)
+    ctx = d.new_context()
+    d.extend_context(ctx, torch.randn(10, K * H), torch.arange(10))
+    h = d.draft(ctx, d.block_embeds(5, emb), 10)
     logits = d.draft_logits(h[1:], emb)
     assert logits.shape == (7, 100) and torch.isfinite(logits).all()
     assert load_drafter(tmp_path).fc.weight.dtype == torch.bfloat16  # keeps the checkpoint dtype by default

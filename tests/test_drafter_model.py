@@ -26,31 +26,31 @@ def test_incremental_context_equals_one_shot():
     T, s = 23, 23
     feats = torch.randn(T, d.config.context_dim, dtype=torch.float64)
     block = torch.randn(4, 32, dtype=torch.float64)
-    d.reset()
-    d.extend_context(feats, torch.arange(T))
-    one_shot = d.draft(block, s)
-    d.reset()
+    ctx = d.new_context()
+    d.extend_context(ctx, feats, torch.arange(T))
+    one_shot = d.draft(ctx, block, s)
+    ctx = d.new_context()
     for a, b in [(0, 5), (5, 6), (6, 6), (6, 17), (17, 23)]:
-        d.extend_context(feats[a:b], torch.arange(a, b))
-        d.draft(block, b)  # drafting in between must not disturb the context
-    assert torch.allclose(d.draft(block, s), one_shot, atol=1e-12)
+        d.extend_context(ctx, feats[a:b], torch.arange(a, b))
+        d.draft(ctx, block, b)  # drafting in between must not disturb the context
+    assert torch.allclose(d.draft(ctx, block, s), one_shot, atol=1e-12)
     # rollback: truncate then re-extend reproduces the same state
-    d.truncate_context(10)
-    d.extend_context(feats[10:], torch.arange(10, T))
-    assert torch.allclose(d.draft(block, s), one_shot, atol=1e-12)
+    ctx.truncate(10)
+    d.extend_context(ctx, feats[10:], torch.arange(10, T))
+    assert torch.allclose(d.draft(ctx, block, s), one_shot, atol=1e-12)
 
 
 def test_cache_grows_past_initial_capacity():
     d = make()
     feats = torch.randn(600, d.config.context_dim, dtype=torch.float64)
     block = torch.randn(4, 32, dtype=torch.float64)
-    d.reset()
-    d.extend_context(feats, torch.arange(600))
-    ref = d.draft(block, 600)
-    d.reset()
+    ctx = d.new_context()
+    d.extend_context(ctx, feats, torch.arange(600))
+    ref = d.draft(ctx, block, 600)
+    ctx = d.new_context(capacity=16)
     for a in range(0, 600, 100):
-        d.extend_context(feats[a:a + 100], torch.arange(a, a + 100))
-    assert torch.allclose(d.draft(block, 600), ref, atol=1e-12)
+        d.extend_context(ctx, feats[a:a + 100], torch.arange(a, a + 100))
+    assert torch.allclose(d.draft(ctx, block, 600), ref, atol=1e-12)
 
 
 def test_packed_blocks_equal_inference_path():
@@ -71,9 +71,9 @@ def test_packed_blocks_equal_inference_path():
     mask = block_attention_mask(ctx_seq, ctx_pos, bseq, banchor, B)
     packed = d(ctx_f, ctx_pos, embeds, bpos, mask).view(len(blocks), B, H)
     for j, (i, a) in enumerate(blocks):
-        d.reset()
-        d.extend_context(seqs[i][:a], torch.arange(a))
-        one = d.draft(d.block_embeds(tokens[i][a], emb), a)
+        ctx = d.new_context()
+        d.extend_context(ctx, seqs[i][:a], torch.arange(a))
+        one = d.draft(ctx, d.block_embeds(tokens[i][a], emb), a)
         assert torch.allclose(packed[j], one, atol=1e-10), j
 
 

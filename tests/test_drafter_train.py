@@ -92,9 +92,9 @@ def test_batched_training_forward_equals_inference_path(tmp_path):
                 if b["weights"].view(S, 14, 3)[i, j].sum() == 0:
                     continue  # padding block
                 lo = 0 if max_context is None else max(0, a - max_context)
-                d.reset()
-                d.extend_context(s["features"][lo:a].double(), torch.arange(lo, a))
-                one = d.draft(d.block_embeds(s["input_ids"][a], emb), a)
+                ctx = d.new_context()
+                d.extend_context(ctx, s["features"][lo:a].double(), torch.arange(lo, a))
+                one = d.draft(ctx, d.block_embeds(s["input_ids"][a], emb), a)
                 assert torch.allclose(hidden[i, j], one, atol=1e-10), (i, j)
                 checked += 1
         assert checked >= 25

@@ -36,9 +36,7 @@ def test_quantized_path_stays_close_to_the_dequantized_model(smollm2, smollm2_in
         rows = torch.arange(ids.numel() - 1, seq.numel())
         logits = []
         for model in (fp32.model, smollm2_int8.model):
-            model.reset()
-            model.setup_cache(seq.numel() + 1)
-            logits.append(model.forward(seq, logits_rows=rows).logits)
+            logits.append(model.forward(model.new_state(seq.numel() + 1), seq, logits_rows=rows).logits)
         p, q = logits[0].log_softmax(-1), logits[1].log_softmax(-1)
         agree += int((p.argmax(-1) == q.argmax(-1)).sum())
         kl += float((p.exp() * (p - q)).sum())

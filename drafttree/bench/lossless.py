@@ -40,12 +40,9 @@ def teacher_forced_ok(target, prompt_ids: torch.Tensor, tokens: list[int], max_n
     if any(t in stops for t in tokens[:-1]) or (len(tokens) < max_new_tokens and tokens[-1] not in stops):
         return False  # ran past a stop token, or stopped early without one
     model = target.model
-    model.reset()
     seq = torch.cat([prompt_ids, torch.tensor(tokens[:-1], dtype=torch.long)])
-    model.setup_cache(seq.numel() + 1)
     rows = torch.arange(prompt_ids.numel() - 1, seq.numel())
-    logits = model.forward(seq, logits_rows=rows).logits
-    model.cache.pending = 0
+    logits = model.forward(model.new_state(seq.numel() + 1), seq, logits_rows=rows).logits
     return logits.argmax(-1).tolist() == tokens
 
 
@@ -57,12 +54,11 @@ def divergence_gap(target, prompt_ids: torch.Tensor, ar_tokens: list[int], other
     if i is None:
         return min(len(ar_tokens), len(other_tokens)), float("inf")  # one stopped early: not a tie
     model = target.model
-    model.reset()
-    model.setup_cache(prompt_ids.numel() + i + 1)
-    logits = model.prefill(prompt_ids).logits[-1]
+    state = model.new_state(prompt_ids.numel() + i + 1)
+    logits = model.prefill(state, prompt_ids).logits[-1]
     for t in ar_tokens[:i]:
-        logits = model.forward(torch.tensor([t])).logits[-1]
-        model.commit(torch.zeros(1, dtype=torch.long))
+        logits = model.forward(state, torch.tensor([t])).logits[-1]
+        model.commit(state, torch.zeros(1, dtype=torch.long))
     return i, float(logits[ar_tokens[i]] - logits[other_tokens[i]])
 
 

@@ -75,10 +75,9 @@ def record_draft_streams(target, proposer, prompt_ids: torch.Tensor, max_new_tok
     ar = generate_ar(target, prompt_ids, max_new_tokens, stop_token_ids=stop_token_ids).tokens
     seq = torch.cat([prompt_ids, torch.tensor(ar, dtype=torch.long)])
     P, S, model = prompt_ids.numel(), max(len(ar) - 1, 0), target.model
-    model.reset()
-    model.setup_cache(seq.numel())
-    feats = model.forward(seq, capture_layers=proposer.capture_layers, logits_rows=torch.tensor([seq.numel() - 1])).features
-    proposer.begin(prompt_ids, None if feats is None else feats[:P])
+    feats = model.forward(model.new_state(seq.numel()), seq, capture_layers=proposer.capture_layers,
+                          logits_rows=torch.tensor([seq.numel() - 1])).features
+    state = proposer.begin(prompt_ids, None if feats is None else feats[:P])
     parents = np.full((S, max_nodes), -1, np.int32)
     node_tokens = np.zeros((S, max_nodes), np.int64)
     depths = np.zeros((S, max_nodes), np.int16)
@@ -86,14 +85,14 @@ def record_draft_streams(target, proposer, prompt_ids: torch.Tensor, max_new_tok
     matched = np.zeros((S, max_nodes), np.int16)
     for s in range(S):
         q = P + s
-        logits = proposer.draft(ar[s], q)
+        logits = proposer.draft(state, ar[s], q)
         on_path = [True]  # the root is AR's token
         for j, node in enumerate(best_first_nodes(logits.log_softmax(-1), max_nodes)):  # as the policies build trees
             ok = on_path[node.parent] and q + node.depth < seq.numel() and int(seq[q + node.depth]) == node.token
             on_path.append(ok)
             parents[s, j], node_tokens[s, j], depths[s, j], path_lp[s, j] = node.parent, node.token, node.depth, node.path_logprob
             matched[s, j] = node.depth if ok else 0
-        proposer.observe(seq[q:q + 1], None if feats is None else feats[q:q + 1], q)
+        proposer.advance(state, seq[q:q + 1], None if feats is None else feats[q:q + 1], q)
     return DraftStreams(P, ar, parents, node_tokens, depths, path_lp, matched)
 
 

@@ -182,15 +182,13 @@ def forward_cost_curve(target, contexts=CONTEXTS, sizes=SIZES, repeats: int = 5,
     model = target.model
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
-    model.reset()
-    model.setup_cache(max(contexts) + max(sizes) + 1)
     rows = []
     bar = tqdm(total=len(contexts) * len(sizes), desc=f"forward cost {SHORT.get(str(model.dtype)[6:], model.dtype)}",
                unit="pt", disable=not progress)
     for ctx in contexts:
-        model.reset()
+        state = model.new_state(ctx + max(sizes) + 1)
         if ctx:
-            model.prefill(torch.randint(0, vocab, (ctx,), generator=gen))
+            model.prefill(state, torch.randint(0, vocab, (ctx,), generator=gen))
         base = None
         for n in sizes:
             tokens = torch.randint(0, vocab, (n,), generator=gen)
@@ -198,18 +196,16 @@ def forward_cost_curve(target, contexts=CONTEXTS, sizes=SIZES, repeats: int = 5,
             times = []
             for r in range(warmup + repeats):
                 t0 = time.perf_counter()
-                out = model.forward(tokens, tree_mask=mask)
+                out = model.forward(state, tokens, tree_mask=mask)  # uncommitted: the context stays ctx long
                 dt = time.perf_counter() - t0
                 if r >= warmup:
                     times.append(dt * 1e3)
             assert out.logits.shape[0] == n
-            model.cache.pending = 0  # discard the scratch rows: the context stays ctx tokens long
             ms = statistics.median(times)
             base = ms if n == sizes[0] else base
             rows.append(dict(context=ctx, tokens=n, ms=ms, ms_all=times, ratio_to_1=ms / base))
             bar.update(1)
     bar.close()
-    model.reset()
     return rows
 
 
@@ -325,12 +321,42 @@ def _cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
-def _ints(s) -> tuple[int, ...]:
-    return tuple(int(x) for x in str(s).split(",") if x.strip())
+def _ints(s, option: str = "", minimum: int = 0) -> tuple[int, ...]:
+    from ..validate import InputError
+
+    try:
+        values = tuple(int(x) for x in str(s).split(",") if x.strip())
+    except ValueError:
+        raise InputError(f"{option} must be comma-separated integers, got {s!r}") from None
+    if not values or min(values) < minimum:
+        raise InputError(f"{option} must list integers >= {minimum}, got {s!r}")
+    return values
+
+
+CURVE_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "bfloat16": "bfloat16", "float32": "float32"}
+
+
+def check_arguments(args) -> tuple[tuple[int, ...], tuple[int, ...], list[str]]:
+    """(contexts, sizes, curve dtypes) of the forward-cost curve, checked before any model is converted or
+    loaded: a size of 0 or an unknown dtype would otherwise fail after the AR comparison's minutes."""
+    from ..validate import InputError
+
+    quick = getattr(args, "quick", False)
+    contexts = _ints(getattr(args, "contexts", None) or ("256" if quick else "256,1024"), "--contexts", 0)
+    sizes = _ints(getattr(args, "sizes", None) or ",".join(map(str, SIZES)), "--sizes", 1)
+    curve_dtypes = [d.strip() for d in (getattr(args, "curve_dtypes", None) or "bf16,fp32").split(",") if d.strip()]
+    bad = [d for d in curve_dtypes if d not in CURVE_DTYPES]
+    if bad or not curve_dtypes:
+        raise InputError(f"--curve-dtypes {getattr(args, 'curve_dtypes', None)!r}: choose from bf16, fp32" +
+                         (f" ({', '.join(bad)} is not measured)" if bad else ""))
+    if getattr(args, "skip_ar", False) and getattr(args, "skip_curve", False):
+        raise InputError("--skip-ar with --skip-curve leaves nothing to measure: drop one of them")
+    return contexts, sizes, curve_dtypes
 
 
 # ------------------------------------------------------------------------------------------------ CLI
 def run(args) -> int:
+    contexts, sizes, curve_dtypes = check_arguments(args)
     import transformers
 
     from ..gguf_convert import EMBEDDED, convert_embedded
@@ -340,10 +366,7 @@ def run(args) -> int:
     quick = getattr(args, "quick", False)
     n_prompts = 2 if quick and args.prompts == 5 else args.prompts
     max_new = 32 if quick and args.max_new_tokens == 256 else args.max_new_tokens
-    contexts = _ints(getattr(args, "contexts", None) or ("256" if quick else "256,1024"))
-    sizes = _ints(getattr(args, "sizes", None) or ",".join(map(str, SIZES)))
     repeats = getattr(args, "repeats", None) or (3 if quick else 7)
-    curve_dtypes = [d for d in (getattr(args, "curve_dtypes", None) or "bf16,fp32").split(",") if d]
     hf_attn = getattr(args, "hf_attn", None) or "eager"
     skip_ar, skip_curve = getattr(args, "skip_ar", False), getattr(args, "skip_curve", False)
     threads = args.threads
@@ -373,7 +396,7 @@ def run(args) -> int:
     if not skip_curve:
         results["curves"] = {}
         for d in curve_dtypes:
-            full = {"bf16": "bfloat16", "fp32": "float32"}.get(d, d)
+            full = CURVE_DTYPES[d]
             results["curves"][SHORT[full]] = forward_cost_curve(targets[full], contexts, sizes, repeats=repeats)
     paths = write_outputs(results, args.out)
     print(markdown(results))

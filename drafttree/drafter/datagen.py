@@ -20,14 +20,25 @@ import torch
 from tqdm import tqdm
 
 from ..atomic import atomic_write_text
+from ..validate import InputError
 from ..datasets import CODE_INSTRUCTION, MATH_INSTRUCTION
 from ..sampling import SamplingParams, next_token
 from .data import FeatureShardWriter
 
 
 def gsm8k_train_prompts(path: str) -> list[str]:
-    rows = [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
-    return [f"{r['question']}\n{MATH_INSTRUCTION}" for r in rows]
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--gsm8k {path}: no such file: give GSM8K's train split as JSONL (train.jsonl of "
+                                "https://github.com/openai/grade-school-math, grade_school_math/data/)")
+    prompts = []
+    for i, line in enumerate(Path(path).read_bytes().decode("utf-8", errors="replace").splitlines(), 1):
+        if line.strip():
+            try:
+                prompts.append(f"{json.loads(line)['question']}\n{MATH_INSTRUCTION}")
+            except (ValueError, KeyError, TypeError) as e:
+                raise InputError(f"--gsm8k {path} line {i}: not a GSM8K row (a JSON object with a \"question\"; "
+                                 f"{type(e).__name__}: {e})") from None
+    return prompts
 
 
 def stdlib_code_prompts(limit: int = 4000, seed: int = 0) -> list[str]:
@@ -86,15 +97,16 @@ def generate_packed(model, prompts: list[torch.Tensor], max_new_tokens: int, sam
     Tokens are everything fed to the target (prompt + reply except its last token), so every row has
     its feature; the reply's last token is only ever predicted.
     """
-    model.reset()
+    state = model.new_state(min(model.config.max_position_embeddings,
+                                sum(p.numel() for p in prompts) + len(prompts) * max_new_tokens))
     owner = []  # sequence index of every cache row
     feats, toks, logits, pos = [], [], [], []
     for b, p in enumerate(prompts):
-        n, past = p.numel(), model.cache_len
+        n, past = p.numel(), state.length
         vis = torch.cat([torch.zeros(n, past, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril_()], 1)
-        out = model.forward(p, positions=torch.arange(n), tree_mask=vis, capture_layers=capture_layers,
+        out = model.forward(state, p, positions=torch.arange(n), tree_mask=vis, capture_layers=capture_layers,
                             logits_rows=torch.tensor([n - 1]))
-        model.commit(torch.arange(n))
+        model.commit(state, torch.arange(n))
         owner += [b] * n
         feats.append([out.features])
         toks.append(p.tolist())
@@ -112,9 +124,9 @@ def generate_packed(model, prompts: list[torch.Tensor], max_new_tokens: int, sam
         own = torch.tensor(owner)
         ids = torch.tensor(active)
         vis = torch.cat([own[None, :] == ids[:, None], torch.eye(len(active), dtype=torch.bool)], 1)
-        out = model.forward(torch.tensor([t for _, t in keep]), positions=torch.tensor([pos[b] for b in active]),
+        out = model.forward(state, torch.tensor([t for _, t in keep]), positions=torch.tensor([pos[b] for b in active]),
                             tree_mask=vis, capture_layers=capture_layers)
-        model.commit(torch.arange(len(active)))
+        model.commit(state, torch.arange(len(active)))
         owner += active
         for i, b in enumerate(active):
             feats[b].append(out.features[i:i + 1])
@@ -155,9 +167,37 @@ def make_decoder(a, target, layers, stops, done: int):
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype, attn_implementation="sdpa").eval()
         pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else target.stop_token_ids[0]
         return lambda ids, mode, seed: generate_batch(hf, ids, a.max_new_tokens, mode, layers, stops, pad, seed)
-    model.setup_cache(min(model.config.max_position_embeddings, a.batch * (a.max_new_tokens + a.max_prompt_tokens)))
     gen = torch.Generator().manual_seed(a.seed + done)
     return lambda ids, mode, seed: generate_packed(model, ids, a.max_new_tokens, mode, layers, stops, gen)
+
+
+def check_arguments(a) -> tuple[int, ...]:
+    """The options of `train data`, checked before the model loads; returns the capture layer ids."""
+    from ..validate import check_finite, check_int, check_model_cache, check_model_dir, check_threads, check_writable
+
+    if not a.gsm8k and not a.code and not a.sharegpt:
+        raise InputError("no prompt source: give --gsm8k FILE (GSM8K's train jsonl), --code N (stdlib code prompts) "
+                         "and/or --sharegpt N")
+    for name in ("code", "sharegpt"):
+        check_int(f"--{name}", getattr(a, name), minimum=0)
+    for name in ("batch", "max_new_tokens", "max_prompt_tokens", "limit", "gsm8k_limit"):
+        if getattr(a, name) is not None:
+            check_int("--" + name.replace("_", "-"), getattr(a, name), minimum=1)
+    if not 0.0 <= check_finite("--sampled-fraction", a.sampled_fraction) <= 1.0:
+        raise InputError(f"--sampled-fraction must be in [0, 1], got {a.sampled_fraction}")
+    try:
+        layers = tuple(int(x) for x in a.layers.split(",") if x.strip())
+    except ValueError:
+        raise InputError(f"--layers must be comma-separated target layer ids, got {a.layers!r}") from None
+    if not layers or min(layers) < 0 or len(set(layers)) != len(layers):
+        raise InputError(f"--layers must be distinct target layer ids >= 0, got {a.layers!r}")
+    check_threads(a.threads)
+    if a.gsm8k and not Path(a.gsm8k).is_file():
+        gsm8k_train_prompts(a.gsm8k)  # its message says what the file should be
+    check_writable(a.out, "--out")
+    check_model_dir(a.model)
+    check_model_cache(a.model)
+    return layers
 
 
 def main(argv=None) -> int:
@@ -180,13 +220,19 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     a = ap.parse_args(argv)
+    layers = check_arguments(a)
+    prompts = training_prompts(a)  # before the model: an empty or broken prompt source fails in a second
+    if not prompts:
+        raise InputError("no training prompts: the chosen sources gave none (an empty --gsm8k file, or --limit "
+                         "cut everything)")
 
     from ..load import load_target
 
     target = load_target(a.model, dtype=a.dtype, threads=a.threads)
-    layers = tuple(int(x) for x in a.layers.split(","))
+    if max(layers) >= target.model.config.num_layers:
+        raise InputError(f"--layers {a.layers}: the target has {target.model.config.num_layers} layers "
+                         f"(ids 0..{target.model.config.num_layers - 1})")
     stops = set(target.stop_token_ids)
-    prompts = training_prompts(a)
     if a.engine == "hf":  # a padded batch pays prefill for its longest prompt
         prompts = length_sorted(prompts, [len(target.encode_chat(p)) for p in prompts], window=16 * a.batch)
     out = Path(a.out)

@@ -170,9 +170,6 @@ class DFlashDrafter(nn.Module):
             # target token ids the reduced head scores (sorted); a buffer so it is saved and moved with the model
             self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size, dtype=torch.long))
         self.rotary = RotaryTable(config.head_dim, config.rope_theta, config.max_position_embeddings)
-        self._cache_k: torch.Tensor | None = None  # [layers, kv_heads, capacity, d]
-        self._cache_v: torch.Tensor | None = None
-        self.context_len = 0
         self._head_cache: tuple | None = None
         self.reset_parameters()
 
@@ -205,83 +202,65 @@ class DFlashDrafter(nn.Module):
         mask = self.mask_vector(embed).to(tok.dtype)
         return torch.cat([tok, mask.expand(self.config.block_size - 1, -1)])
 
-    # ---- inference: incremental context cache ---------------------------------------------
-    def reset(self) -> None:
-        self.context_len = 0
-
-    def _ensure_capacity(self, needed: int) -> None:
-        """Preallocated buffers; grown by doubling. `needed` includes the block's scratch rows."""
-        w = self.norm.weight  # dtype and device of the compute path (linears may be int8)
-        if self._cache_k is not None and self._cache_k.shape[2] >= needed and self._cache_k.dtype == w.dtype:
-            return
-        cap = max(needed, 2 * (self._cache_k.shape[2] if self._cache_k is not None else 256))
-        cfg = self.config
-        k = torch.zeros(cfg.num_hidden_layers, cfg.num_key_value_heads, cap, cfg.head_dim, dtype=w.dtype, device=w.device)
-        v = torch.zeros_like(k)
-        if self._cache_k is not None and self.context_len:
-            k[:, :, :self.context_len] = self._cache_k[:, :, :self.context_len]
-            v[:, :, :self.context_len] = self._cache_v[:, :, :self.context_len]
-        self._cache_k, self._cache_v = k, v
+    # ---- inference: a request's incremental context (DraftContext) ---------------------------
+    def new_context(self, capacity: int = 256) -> "DraftContext":
+        return DraftContext.empty(self, capacity)
 
     @torch.no_grad()
-    def extend_context(self, features: torch.Tensor, positions: torch.Tensor) -> None:
+    def extend_context(self, ctx: "DraftContext", features: torch.Tensor, positions: torch.Tensor) -> None:
         """Append the context K/V of newly committed tokens (features [N, k*H], positions [N])."""
         n = features.shape[0]
         if n == 0:
             return
-        self._ensure_capacity(self.context_len + n + self.config.block_size)
-        ctx = self.fuse_context(features)
-        cos, sin = self._rope(positions, ctx.dtype)
-        end = self.context_len + n
+        ctx.ensure_capacity(ctx.length + n + self.config.block_size)
+        fused = self.fuse_context(features)
+        cos, sin = self._rope(positions, fused.dtype)
+        end = ctx.length + n
         for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.keys_values(ctx, cos, sin)
-            self._cache_k[i, :, self.context_len:end] = k
-            self._cache_v[i, :, self.context_len:end] = v
-        self.context_len = end
-
-    def truncate_context(self, n: int) -> None:
-        if not 0 <= n <= self.context_len:
-            raise ValueError(f"cannot truncate a drafter context of {self.context_len} tokens to {n}")
-        self.context_len = n
+            k, v = layer.self_attn.keys_values(fused, cos, sin)
+            ctx.k[i, :, ctx.length:end] = k
+            ctx.v[i, :, ctx.length:end] = v
+        ctx.length = end
 
     @torch.no_grad()
-    def draft(self, block_embeds: torch.Tensor, start_position: int) -> torch.Tensor:
-        """Run one block [B, H] at positions start..start+B-1 against the cached context.
+    def draft(self, ctx: "DraftContext", block_embeds: torch.Tensor, start_position: int) -> torch.Tensor:
+        """Run one block [B, H] at positions start..start+B-1 against the request's context.
 
         Returns the final-normed hidden states [B, H]; the block's own K/V are written to scratch
         rows after the context and never committed.
         """
         B = block_embeds.shape[0]
-        self._ensure_capacity(self.context_len + B)
+        ctx.ensure_capacity(ctx.length + B)
         pos = torch.arange(start_position, start_position + B, device=block_embeds.device)
         h = block_embeds.to(self.dtype)
         cos, sin = self._rope(pos, h.dtype)
-        c, end = self.context_len, self.context_len + B
+        c, end = ctx.length, ctx.length + B
         kernel = self.layers[0].self_attn.kernel_isa if self.layers else None
-        if kernel is not None and self._cache_k.dtype == torch.float32 and self.layers[0].self_attn.qkv is not None:
-            return self._draft_fused(h, cos, sin, kernel)
+        if kernel is not None and ctx.k.dtype == torch.float32 and self.layers[0].self_attn.qkv is not None:
+            return self._draft_fused(ctx, h, cos, sin, kernel)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q, k, v = attn.project(x, cos, sin)
-            self._cache_k[i, :, c:end] = k  # scratch rows: the block sees itself and the whole context
-            self._cache_v[i, :, c:end] = v
-            h = h + attn.attend(q, self._cache_k[i, :, :end], self._cache_v[i, :, :end])
+            ctx.k[i, :, c:end] = k  # scratch rows: the block sees itself and the whole context
+            ctx.v[i, :, c:end] = v
+            h = h + attn.attend(q, ctx.k[i, :, :end], ctx.v[i, :, :end])
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
-    def _draft_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, isa: str) -> torch.Tensor:
+    def _draft_fused(self, ctx: "DraftContext", h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     isa: str) -> torch.Tensor:
         """`draft` on the quantized paths: q/k norms, RoPE, the block's K/V written to its scratch rows and
         bidirectional attention over context + block in one C++ call per layer (drafttree.ops.attention)."""
         from drafttree.ops.attention import rope_tree_attention
 
-        B, c = h.shape[0], self.context_len
+        B, c = h.shape[0], ctx.length
         block = torch.ones(B, B, dtype=torch.bool)
         cos, sin = cos.squeeze(-3), sin.squeeze(-3)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             qkv = attn.qkv(layer.input_layernorm(h))
-            out = rope_tree_attention(qkv, cos, sin, self._cache_k[i], self._cache_v[i], c, block, attn.n_heads,
+            out = rope_tree_attention(qkv, cos, sin, ctx.k[i], ctx.v[i], c, block, attn.n_heads,
                                       attn.n_kv, isa, attn.q_norm, attn.k_norm)
             h = h + attn.o_proj(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -362,6 +341,42 @@ class DFlashDrafter(nn.Module):
             ck, cv = layer.self_attn.keys_values(ctx, ccos, csin)
             h = layer(h, bcos, bsin, ck, cv, attn_mask)
         return self.norm(h)
+
+
+@dataclass
+class DraftContext:
+    """One request's drafter context: the K/V of every committed token, per draft layer, with scratch
+    rows after them for the block being drafted. Grown by doubling."""
+
+    k: torch.Tensor  # [layers, kv_heads, capacity, d]
+    v: torch.Tensor
+    length: int = 0  # committed context tokens
+
+    @classmethod
+    def empty(cls, drafter: "DFlashDrafter", capacity: int) -> "DraftContext":
+        cfg, w = drafter.config, drafter.norm.weight  # dtype and device of the compute path (linears may be int8)
+        k = torch.zeros(cfg.num_hidden_layers, cfg.num_key_value_heads, capacity, cfg.head_dim, dtype=w.dtype,
+                        device=w.device)
+        return cls(k, torch.zeros_like(k))
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def ensure_capacity(self, needed: int) -> None:
+        """`needed` includes the block's scratch rows; the committed rows are kept."""
+        cap = self.k.shape[2]
+        if cap >= needed:
+            return
+        shape = (*self.k.shape[:2], max(needed, 2 * cap), self.k.shape[3])
+        k, v = self.k.new_zeros(shape), self.v.new_zeros(shape)
+        k[:, :, :self.length], v[:, :, :self.length] = self.k[:, :, :self.length], self.v[:, :, :self.length]
+        self.k, self.v = k, v
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate a drafter context of {self.length} tokens to {n}")
+        self.length = n
 
 
 def block_attention_mask(context_seq, context_positions, block_seq, block_anchor, block_size: int) -> torch.Tensor:

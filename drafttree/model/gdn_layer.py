@@ -1,7 +1,9 @@
-"""Gated DeltaNet token mixer for the runtime: it owns its conv context and recurrent state.
+"""Gated DeltaNet token mixer for the runtime; a request's conv context and recurrent state live in
+its `GDNLayerState` (model/state.py), not on the module.
 
-`forward` reads the committed state and writes nothing; it stashes what `commit` needs.
-`commit(path)` folds the accepted root-to-node path into the state (or defers that to the next call).
+`forward(x, tree, st)` reads the committed state and writes nothing to it; it stashes what `commit`
+needs. `commit(st, path)` folds the accepted root-to-node path into the state (or defers that to the
+next forward).
 
 Projections are re-laid out at load time into one flat matmul: [q | k | v | z | b | a], with
 q, k [Hk·dk], v, z [Hv·dv], b, a [Hv]; value head h belongs to key head h // r (both families).
@@ -19,6 +21,7 @@ from drafttree.ops.gdn.naive import chunk_gated_delta_rule, prepare_qk
 from drafttree.ops.gdn.tree import GDNTreeStash, commit_gdn_path, replay_gdn_path, tree_gated_delta_verify
 
 from .hybrid_config import HybridConfig
+from .state import GDNLayerState
 
 # A causal chain up to this length goes through the masked solve (its commit of any prefix is a fold);
 # longer chains (prefill) use the chunked form, whose memory is O(T·64) instead of O(T²).
@@ -73,28 +76,21 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
         self.use_replay = False  # commit by replaying the recurrence instead of the fold (cross-check)
-        self.conv_ctx = self.state = None  # allocated by reset_state (after the weights are loaded)
 
-    # ---- state ---------------------------------------------------------------------------------
-
-    def reset_state(self) -> None:
-        self.conv_ctx = torch.zeros(self.K - 1, self.conv_dim, dtype=self.conv_weight.dtype)
-        self.state = torch.zeros(self.Hv, self.dk, self.dv, dtype=torch.float32)
-        self._pending: _Pending | None = None
-        self._deferred: torch.Tensor | None = None
+    def new_state(self) -> GDNLayerState:
+        return GDNLayerState(conv_ctx=torch.zeros(self.K - 1, self.conv_dim, dtype=self.conv_weight.dtype),
+                             recurrent=torch.zeros(self.Hv, self.dk, self.dv, dtype=torch.float32))
 
     # ---- forward -------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, tree: TreeInfo | None) -> torch.Tensor:
-        self.apply_deferred_commit()
-        if self.state is None:
-            self.reset_state()
+    def forward(self, x: torch.Tensor, tree: TreeInfo | None, st: GDNLayerState) -> torch.Tensor:
+        self.apply_deferred_commit(st)
         T = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.Hv, self.Hv], dim=-1)
         if tree is None:
-            mixed, E = causal_conv1d(mixed, self.conv_weight, self.conv_ctx)
+            mixed, E = causal_conv1d(mixed, self.conv_weight, st.conv_ctx)
         else:
-            mixed, E = tree_causal_conv1d(mixed, self.conv_weight, self.conv_ctx, tree.conv_index)
+            mixed, E = tree_causal_conv1d(mixed, self.conv_weight, st.conv_ctx, tree.conv_index)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = prepare_qk(q.view(T, self.Hk, self.dk).transpose(0, 1), k.view(T, self.Hk, self.dk).transpose(0, 1))
         v = v.view(T, self.Hv, self.dv).transpose(0, 1).float()
@@ -103,12 +99,12 @@ class GatedDeltaNet(nn.Module):
 
         pending = _Pending(E=E, conv_index=None if tree is None else tree.conv_index, core=None, chain=None)
         if tree is None and T > CHAIN_SOLVE_MAX:
-            o, S_end = chunk_gated_delta_rule(q, k, v, g, beta, self.state)
+            o, S_end = chunk_gated_delta_rule(q, k, v, g, beta, st.recurrent)
             pending.chain = (q, k, v, g, beta, S_end)
         else:
             mask = tree.mask if tree is not None else torch.ones(T, T, dtype=torch.bool).tril_()
-            o, pending.core = tree_gated_delta_verify(q, k, v, g, beta, self.state, mask)
-        self._pending = pending
+            o, pending.core = tree_gated_delta_verify(q, k, v, g, beta, st.recurrent, mask)
+        st.pending = pending
 
         o = o.transpose(0, 1).to(x.dtype)                           # [T, Hv, dv]
         y = self.norm(o, z.view(T, self.Hv, self.dv)).reshape(T, self.value_dim)
@@ -116,32 +112,36 @@ class GatedDeltaNet(nn.Module):
 
     # ---- commit --------------------------------------------------------------------------------
 
-    def commit(self, path: torch.Tensor, defer: bool = False) -> None:
-        """Accept the root-to-node `path` (rows of the last forward, root first)."""
-        if self._pending is None:
+    def commit(self, st: GDNLayerState, path: torch.Tensor, defer: bool = False) -> None:
+        """Accept the root-to-node `path` (rows of the last forward, root first); an empty path keeps
+        the committed state as it was."""
+        if st.pending is None:
             raise RuntimeError("commit without a forward to commit")
-        self._deferred = path
+        if path.numel() == 0:
+            st.pending = None
+            return
+        st.deferred = path
         if not defer:
-            self.apply_deferred_commit()
+            self.apply_deferred_commit(st)
 
-    def apply_deferred_commit(self) -> None:
-        path, p = self._deferred, self._pending
+    def apply_deferred_commit(self, st: GDNLayerState) -> None:
+        path, p = st.deferred, st.pending
         if path is None:
             return
-        self._deferred, self._pending = None, None
+        st.deferred, st.pending = None, None
         A, K = path.numel(), self.K
         if p.conv_index is None:  # chain: the path is a prefix
-            self.conv_ctx = p.E[A:A + K - 1].clone()
+            st.conv_ctx = p.E[A:A + K - 1].clone()
         else:
-            self.conv_ctx = p.E[p.conv_index[path[-1], 1:]].clone()
+            st.conv_ctx = p.E[p.conv_index[path[-1], 1:]].clone()
         if p.core is not None:
             fn = replay_gdn_path if self.use_replay else commit_gdn_path
-            self.state = fn(self.state, p.core, path)
+            st.recurrent = fn(st.recurrent, p.core, path)
         else:
             q, k, v, g, beta, S_end = p.chain
             if A == v.shape[-2]:
-                self.state = S_end
+                st.recurrent = S_end
             else:  # a partial prefix of a long chain: re-run the chunked form over it
-                _, self.state = chunk_gated_delta_rule(
-                    q[:, :A], k[:, :A], v[:, :A], g[:, :A], beta[:, :A], self.state
+                _, st.recurrent = chunk_gated_delta_rule(
+                    q[:, :A], k[:, :A], v[:, :A], g[:, :A], beta[:, :A], st.recurrent
                 )

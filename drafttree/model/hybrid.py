@@ -1,7 +1,8 @@
 """Hybrid Gated DeltaNet / gated-attention decoder (qwen3_next, qwen3_5 text) for the runtime.
 
-Same interface as `transformer.Transformer`: `forward` runs new tokens (a chain or a tree given by
-its ancestor mask) without advancing the committed state; `commit(rows)` accepts a root-to-node path.
+Same interface as `transformer.Transformer`: `forward(state, ...)` runs new tokens (a chain or a tree
+given by its ancestor mask and parents) without advancing the committed state; `commit(state, rows)`
+accepts a root-to-node path.
 Attention layers write K/V to scratch rows of the KV cache; GDN layers verify the whole tree with
 one masked triangular solve per layer and fold the accepted path into their state at commit.
 """
@@ -9,18 +10,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from drafttree.ops.conv import tree_conv_index
 from drafttree.ops.gdn.tree import check_ancestor_mask, parents_from_mask
 
+from .decoder import CausalLM, ForwardOutput
 from .gdn_layer import GatedDeltaNet, TreeInfo
 from .hybrid_blocks import GatedAttention, SparseMoE, ZeroCenteredRMSNorm
 from .hybrid_config import HybridConfig
 from .kv_cache import KVCache, check_room
-from .layers import RotaryTable, SwiGLU
-from .layers import AttentionMask
-from .transformer import ForwardOutput, additive_mask
+from .layers import AttentionMask, RotaryTable, SwiGLU
+from .state import ModelState
+from .transformer import additive_mask
 
 
 class HybridDecoderLayer(nn.Module):
@@ -35,14 +36,14 @@ class HybridDecoderLayer(nn.Module):
         self.post_norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(index) else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, mask, cache, slot, tree):
+    def forward(self, x, cos, sin, mask, cache, slot, tree, gdn_state):
         h = self.input_norm(x)
-        h = self.attn(h, cos, sin, mask, cache, slot) if self.kind == "full_attention" else self.gdn(h, tree)
+        h = self.attn(h, cos, sin, mask, cache, slot) if self.kind == "full_attention" else self.gdn(h, tree, gdn_state)
         x = x + h
         return x + self.mlp(self.post_norm(x))
 
 
-class HybridModel(nn.Module):
+class HybridModel(CausalLM):
     def __init__(self, cfg: HybridConfig):
         super().__init__()
         self.config = cfg
@@ -51,61 +52,24 @@ class HybridModel(nn.Module):
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.attn_slot = {layer: slot for slot, layer in enumerate(cfg.attention_layers)}
-        self.cache: KVCache | None = None
+        self.gdn_slot = {layer: slot for slot, layer in enumerate(i for i, k in enumerate(cfg.layer_types)
+                                                                  if k == "linear_attention")}
         self.defer_gdn_commit = False  # fold accepted GDN paths at the start of the next forward
-        self._last_mask: torch.Tensor | None = None  # ancestor mask of the last forward (None = chain)
         self.attention_kernel: str | None = None  # ISA of the batch-invariant attention kernel (int8 path)
 
     def init_rope(self) -> None:
         cfg = self.config
         self.rope = RotaryTable(cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.norm.weight.dtype  # the compute dtype (int8 paths keep float norms)
-
-    @property
-    def cache_len(self) -> int:
-        return 0 if self.cache is None else self.cache.length
-
     def gdn_layers(self) -> list[GatedDeltaNet]:
         return [layer.gdn for layer in self.layers if layer.kind == "linear_attention"]
 
-    def setup_cache(self, max_len: int) -> None:
-        """Allocate (or grow) the KV cache; committed K/V and GDN states are kept."""
+    def _new_state(self, max_len: int) -> ModelState:
         cfg = self.config
-        if max_len > cfg.max_position_embeddings:
-            raise ValueError(f"{max_len} tokens exceed the model's context of {cfg.max_position_embeddings}")
-        for gdn in self.gdn_layers():
-            if gdn.state is None:
-                gdn.reset_state()
-        if self.cache is not None and self.cache.max_len >= max_len:
-            return
-        new = KVCache(len(self.attn_slot), cfg.num_kv_heads, cfg.head_dim, max_len, self.dtype)
-        if self.cache is not None and self.cache.length:
-            n = self.cache.length
-            new.k[:, :, :n], new.v[:, :, :n] = self.cache.k[:, :, :n], self.cache.v[:, :, :n]
-            new.length = n
-        self.cache = new
+        kv = KVCache(len(self.attn_slot), cfg.num_kv_heads, cfg.head_dim, max_len, self.dtype)
+        return ModelState(kv, [gdn.new_state() for gdn in self.gdn_layers()])
 
-    def reset(self) -> None:
-        if self.cache is not None:
-            self.cache.truncate(0)
-        for gdn in self.gdn_layers():
-            gdn.reset_state()
-        self._last_mask = None
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(tokens)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head on final-normed hidden states; fp32 logits."""
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
-
-    def _tree_mask(self, t: int, tree_mask: torch.Tensor) -> torch.Tensor:
-        past = self.cache.length
+    def _tree_mask(self, past: int, t: int, tree_mask: torch.Tensor) -> torch.Tensor:
         if tree_mask.dtype != torch.bool:
             raise TypeError(f"tree_mask must be a bool tensor, got {tree_mask.dtype}")
         if tree_mask.shape == (t, past + t):
@@ -120,17 +84,20 @@ class HybridModel(nn.Module):
     @torch.inference_mode()
     def forward(
         self,
+        state: ModelState,
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         capture_layers: tuple[int, ...] = (),
         logits_rows: torch.Tensor | None = None,
+        parents: torch.Tensor | None = None,  # [T]: the tree's parents (derived from the mask when not given)
     ) -> ForwardOutput:
-        t, past = tokens.shape[0], check_room(self.cache, tokens.shape[0])
+        t, past = tokens.shape[0], check_room(state.kv, tokens.shape[0])
         tree = None
         if tree_mask is not None:
-            tree_mask = self._tree_mask(t, tree_mask)
-            parents = parents_from_mask(tree_mask)
+            tree_mask = self._tree_mask(past, t, tree_mask)
+            if parents is None:
+                parents = parents_from_mask(tree_mask)
             tree = TreeInfo(mask=tree_mask, conv_index=tree_conv_index(parents, self.config.linear_conv_kernel_dim))
             visible_new = tree_mask
             if positions is None:
@@ -147,49 +114,33 @@ class HybridModel(nn.Module):
         x = self.embed_tokens(tokens)
         captured = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, self.cache, self.attn_slot.get(i), tree)
+            gdn_state = state.gdn[self.gdn_slot[i]] if i in self.gdn_slot else None
+            x = layer(x, cos, sin, mask, state.kv, self.attn_slot.get(i), tree, gdn_state)
             if i in capture_layers:
                 captured[i] = x
-        self.cache.pending = t
-        self._last_mask = tree_mask
-        features = None
-        if capture_layers:
-            if len(captured) != len(capture_layers):
-                raise ValueError(f"capture_layers {capture_layers} must be distinct indices below {len(self.layers)}")
-            features = torch.cat([captured[i] for i in capture_layers], dim=-1)
-        logits = None
-        if logits_rows is None or logits_rows.numel():
-            h = x if logits_rows is None else x[logits_rows]
-            logits = self.logits(self.norm(h))
-        return ForwardOutput(logits=logits, features=features)
+        state.kv.pending = t
+        state.last_tree_mask = tree_mask
+        return self._output(x, captured, capture_layers, logits_rows)
 
-    def commit(self, rows: torch.Tensor) -> None:
+    def commit(self, state: ModelState, rows: torch.Tensor) -> None:
         """Accept rows of the last forward forming a root-to-node path (a prefix for a chain)."""
         rows = torch.as_tensor(rows, dtype=torch.long)
-        if self.cache.pending == 0:
+        if state.kv.pending == 0:
             raise RuntimeError("commit without a forward to commit")
         a = rows.numel()
         if a:
-            if self._last_mask is None:
+            last_mask = state.last_tree_mask
+            if last_mask is None:
                 expected = torch.arange(a)
             else:
-                if int(rows[-1]) >= self._last_mask.shape[0] or int(rows[-1]) < 0:
-                    raise ValueError(f"commit row {int(rows[-1])} is outside the last forward's {self.cache.pending} rows")
-                expected = self._last_mask[int(rows[-1])].nonzero().flatten()
+                if int(rows[-1]) >= last_mask.shape[0] or int(rows[-1]) < 0:
+                    raise ValueError(f"commit row {int(rows[-1])} is outside the last forward's {state.kv.pending} rows")
+                expected = last_mask[int(rows[-1])].nonzero().flatten()
             if not torch.equal(rows, expected):
                 raise ValueError(f"commit rows {rows.tolist()} are not the root-to-node path {expected.tolist()}")
-        self.cache.commit(rows)
-        for gdn in self.gdn_layers():
-            if a:
-                gdn.commit(rows, defer=self.defer_gdn_commit)
-            else:
-                gdn._pending = None  # nothing accepted: the committed state stays as it was
-
-    def prefill(self, tokens: torch.Tensor, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
-        """Run and commit a whole prompt; logits of the last token only."""
-        out = self.forward(tokens, capture_layers=capture_layers, logits_rows=torch.tensor([tokens.shape[0] - 1]))
-        self.commit(torch.arange(tokens.shape[0]))
-        return out
+        state.kv.commit(rows)
+        for gdn, st in zip(self.gdn_layers(), state.gdn):
+            gdn.commit(st, rows, defer=self.defer_gdn_commit)
 
 
 def build_hybrid_model(hf_config, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> HybridModel:
@@ -198,7 +149,4 @@ def build_hybrid_model(hf_config, tensors: dict[str, torch.Tensor], dtype: torch
     from .weights import load_checked
 
     cfg = HybridConfig.from_hf(hf_config)
-    model = load_checked(HybridModel, cfg, to_hybrid_state_dict(tensors, cfg), dtype)
-    for gdn in model.gdn_layers():
-        gdn.reset_state()
-    return model.eval()
+    return load_checked(HybridModel, cfg, to_hybrid_state_dict(tensors, cfg), dtype).eval()

@@ -20,6 +20,19 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[2]
 
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def grow(self, max_len: int) -> None:
+        """Room for at least `max_len` rows; the committed rows are kept."""
+        if max_len <= self.max_len:
+            return
+        n, shape = self.length, (*self.k.shape[:2], max_len, self.k.shape[3])
+        k, v = self.k.new_zeros(shape), self.v.new_zeros(shape)
+        k[:, :, :n], v[:, :, :n] = self.k[:, :, :n], self.v[:, :, :n]
+        self.k, self.v = k, v
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store new k/v [kv_heads, T, d] after the committed rows; return all keys/values visible to them."""
         end = self.length + k.shape[1]
@@ -46,11 +59,9 @@ class KVCache:
         self.pending = 0
 
 
-def check_room(cache: "KVCache | None", new_tokens: int) -> int:
+def check_room(cache: KVCache, new_tokens: int) -> int:
     """The committed length, after checking that a forward of `new_tokens` fits in the cache."""
-    if cache is None:
-        raise RuntimeError("call setup_cache(max_len) before forward")
     if cache.length + new_tokens > cache.max_len:
-        raise ValueError(f"{cache.length} cached + {new_tokens} new tokens exceed the cache of {cache.max_len}; "
-                         "call setup_cache")
+        raise ValueError(f"{cache.length} cached + {new_tokens} new tokens exceed the state's room for "
+                         f"{cache.max_len}; create it with new_state(max_len) large enough")
     return cache.length

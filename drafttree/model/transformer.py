@@ -1,29 +1,23 @@
 """Lean llama / qwen3 decoder for batch-1 decoding and tree verification (in the spirit of gpt-fast).
 
-One call does everything speculative decoding needs: `forward` runs any number of new tokens with
-explicit positions and an ancestor mask over the new tokens (the committed prefix is always visible),
-optionally returns the hidden states after chosen decoder layers (the drafter's input) and logits for
-selected rows only; `commit(rows)` keeps the accepted rows in the KV cache.
+One call does everything speculative decoding needs: `forward(state, ...)` runs any number of new
+tokens with explicit positions and an ancestor mask over the new tokens (the committed prefix is always
+visible), optionally returns the hidden states after chosen decoder layers (the drafter's input) and
+logits for selected rows only; `commit(state, rows)` keeps the accepted rows in the request's KV cache.
+The module holds weights only: every request brings its own `ModelState`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from .config import ModelConfig
 from drafttree.ops.attention import rope_tree_attention
 
+from .config import ModelConfig
+from .decoder import CausalLM, ForwardOutput
 from .kv_cache import KVCache, check_room
 from .layers import AttentionMask, RMSNorm, RotaryTable, SwiGLU, apply_rotary, attend
-
-
-@dataclass
-class ForwardOutput:
-    logits: torch.Tensor | None  # [R, V] fp32 for the requested rows
-    features: torch.Tensor | None  # [T, k*H]: hidden states after the captured layers, concatenated
+from .state import ModelState
 
 
 class Attention(nn.Module):
@@ -76,7 +70,7 @@ def additive_mask(visible: torch.Tensor, group: int, dtype: torch.dtype) -> torc
     return m.repeat(group, 1)
 
 
-class Transformer(nn.Module):
+class Transformer(CausalLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -84,7 +78,6 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.cache: KVCache | None = None
         self.attention_kernel: str | None = None  # ISA of the batch-invariant attention kernel (int8 path)
 
     def init_rope(self) -> None:
@@ -92,43 +85,12 @@ class Transformer(nn.Module):
         cfg = self.config
         self.rope = RotaryTable(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.norm.weight.dtype  # the compute dtype (int8 paths keep float norms)
-
-    @property
-    def cache_len(self) -> int:
-        return 0 if self.cache is None else self.cache.length
-
-    def setup_cache(self, max_len: int) -> None:
-        """Allocate (or grow) the KV cache; the committed prefix is kept."""
+    def _new_state(self, max_len: int) -> ModelState:
         cfg = self.config
-        if max_len > cfg.max_position_embeddings:
-            raise ValueError(f"{max_len} tokens exceed the model's context of {cfg.max_position_embeddings}")
-        if self.cache is not None and self.cache.max_len >= max_len:
-            return
-        new = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len, self.dtype)
-        if self.cache is not None and self.cache.length:
-            n = self.cache.length
-            new.k[:, :, :n], new.v[:, :, :n] = self.cache.k[:, :, :n], self.cache.v[:, :, :n]
-            new.length = n
-        self.cache = new
+        return ModelState(KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len, self.dtype))
 
-    def reset(self) -> None:
-        if self.cache is not None:
-            self.cache.truncate(0)
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(tokens)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head on final-normed hidden states; fp32 logits."""
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
-
-    def _mask(self, t: int, tree_mask: torch.Tensor | None) -> AttentionMask:
-        past, group = self.cache.length, self.config.num_heads // self.config.num_kv_heads
+    def _mask(self, past: int, t: int, tree_mask: torch.Tensor | None) -> AttentionMask:
+        group = self.config.num_heads // self.config.num_kv_heads
         if tree_mask is None:
             if t == 1:  # one token sees everything
                 return AttentionMask(past, None, None, self.attention_kernel)
@@ -150,41 +112,28 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward(
         self,
+        state: ModelState,
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         capture_layers: tuple[int, ...] = (),
         logits_rows: torch.Tensor | None = None,
+        parents: torch.Tensor | None = None,  # unused: attention needs only the mask
     ) -> ForwardOutput:
-        t, past = tokens.shape[0], check_room(self.cache, tokens.shape[0])
+        cache = state.kv
+        t, past = tokens.shape[0], check_room(cache, tokens.shape[0])
         if positions is None:
             positions = torch.arange(past, past + t)
         cos, sin = self.rope(positions, self.dtype)
-        mask = self._mask(t, tree_mask)
+        mask = self._mask(past, t, tree_mask)
         x = self.embed_tokens(tokens)
-        captured = []
+        captured = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, self.cache, i)
+            x = layer(x, cos, sin, mask, cache, i)
             if i in capture_layers:
-                captured.append(x)
-        self.cache.pending = t
-        features = None
-        if capture_layers:
-            if len(captured) != len(capture_layers):
-                raise ValueError(f"capture_layers {capture_layers} must be distinct indices below {len(self.layers)}")
-            order = sorted(capture_layers)  # layers were collected in depth order; return in the caller's order
-            features = torch.cat([captured[order.index(i)] for i in capture_layers], dim=-1)
-        logits = None
-        if logits_rows is None or logits_rows.numel():
-            h = x if logits_rows is None else x[logits_rows]
-            logits = self.logits(self.norm(h))
-        return ForwardOutput(logits=logits, features=features)
+                captured[i] = x
+        cache.pending = t
+        return self._output(x, captured, capture_layers, logits_rows)
 
-    def commit(self, rows: torch.Tensor) -> None:
-        self.cache.commit(rows)
-
-    def prefill(self, tokens: torch.Tensor, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
-        """Run and commit a whole prompt; logits of the last token only."""
-        out = self.forward(tokens, capture_layers=capture_layers, logits_rows=torch.tensor([tokens.shape[0] - 1]))
-        self.commit(torch.arange(tokens.shape[0]))
-        return out
+    def commit(self, state: ModelState, rows: torch.Tensor) -> None:
+        state.kv.commit(rows)

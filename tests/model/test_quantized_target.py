@@ -36,31 +36,28 @@ def test_kernel_model_equals_reference_model(tiny_checkpoint):
     """The C++ int8 kernel and its plain-PyTorch reference give the same logits, bit for bit, in a model."""
     fast, ref = int8_target(tiny_checkpoint[0]), int8_target(tiny_checkpoint[0], isa="reference")
     ids = torch.arange(3, 40) % fast.model.config.vocab_size
-    for m in (fast.model, ref.model):
-        m.setup_cache(64)
-        m.reset()
-    assert torch.equal(fast.model.forward(ids).logits, ref.model.forward(ids).logits)
+    logits = [m.forward(m.new_state(64), ids).logits for m in (fast.model, ref.model)]
+    assert torch.equal(*logits)
 
 
 @pytest.mark.parametrize("compute", ["int8", "q4"])
 def test_tree_logits_equal_sequential_steps_bit_for_bit(tiny_checkpoint, compute):
     """On the quantized paths every node's logits are exactly those of one-token steps along its path."""
     m = int8_target(tiny_checkpoint[0], compute=compute).model
-    m.setup_cache(128)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, m.config.vocab_size, (9,), generator=gen)
     parents = random_tree_parents(12, gen)
     tokens = torch.randint(0, m.config.vocab_size, (12,), generator=gen)
     mask = ancestor_mask(parents)
-    m.reset()
-    m.prefill(prompt)
-    tree = m.forward(tokens, positions=prompt.numel() + mask.sum(1) - 1, tree_mask=mask).logits
+    st = m.new_state(128)
+    m.prefill(st, prompt)
+    tree = m.forward(st, tokens, positions=prompt.numel() + mask.sum(1) - 1, tree_mask=mask).logits
     for i in range(12):
-        m.reset()
-        m.prefill(prompt)
+        st = m.new_state(128)
+        m.prefill(st, prompt)
         for tok in tokens[path_to(parents, i)]:
-            step = m.forward(tok.view(1)).logits[0]
-            m.commit(torch.tensor([0]))
+            step = m.forward(st, tok.view(1)).logits[0]
+            m.commit(st, torch.tensor([0]))
         assert torch.equal(step, tree[i]), f"node {i}"
 
 
@@ -116,7 +113,7 @@ def test_fused_drafter_drafts_the_same(tiny_checkpoint, kernels):
     feats = torch.randn(9, plain.config.context_dim)
     outs = []
     for d in (plain, fused):
-        d.reset()
-        d.extend_context(feats, torch.arange(9))
-        outs.append(d.draft(d.block_embeds(3, target.model.embed), 9))
+        ctx = d.new_context()
+        d.extend_context(ctx, feats, torch.arange(9))
+        outs.append(d.draft(ctx, d.block_embeds(3, target.model.embed), 9))
     assert torch.allclose(outs[0], outs[1], atol=1e-4)

@@ -1,0 +1,99 @@
+"""Per-request state: sequences of one model are independent, so interleaving their rounds in any
+order gives each exactly the tokens it gets alone (fp32 greedy, tiny models)."""
+import pytest
+import torch
+
+from drafttree.engine import Sequence, generate_ar
+from drafttree.load import load_target
+from drafttree.methods import Decoder
+from drafttree.proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy, DFlashProposer
+from drafttree.sampling import SamplingParams
+from spec_helpers import TargetCopyProposer, random_drafter_for
+from test_speculative import prompts, synthetic_cost_model
+
+
+def interleave(seqs: list[Sequence], order_seed: int) -> None:
+    """Step the unfinished sequences in a random order until all are done."""
+    g = torch.Generator().manual_seed(order_seed)
+    while any(not s.done for s in seqs):
+        live = [s for s in seqs if not s.done]
+        live[int(torch.randint(0, len(live), (1,), generator=g))].step()
+
+
+def test_interleaved_sequences_equal_each_alone(tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    drafter = random_drafter_for(target.model)
+    policies = [ChainPolicy(), BestFirstPolicy(8), CostAwarePolicy(synthetic_cost_model(), 32, recalibrate=True)]
+    proposers = [None] + [DFlashProposer(drafter, target.model, p) for p in policies] \
+        + [TargetCopyProposer(path, BestFirstPolicy(6), noise=1.0)]
+    ids = prompts(len(proposers) * 2, target.model.config.vocab_size, seed=4)
+    truth = [generate_ar(target, p, max_new_tokens=25, stop_token_ids=()).tokens for p in ids]
+    # two sequences per proposer: the same proposer object serves both at once
+    seqs = [Sequence(target, p, proposers[i % len(proposers)], max_new_tokens=25, stop_token_ids=())
+            for i, p in enumerate(ids)]
+    interleave(seqs, order_seed=1)
+    assert [s.tokens for s in seqs] == truth
+    assert all(s.finish_reason == "length" and s.state_bytes == 0 for s in seqs)  # done frees the state
+
+
+def test_sampled_sequences_are_independent_of_interleaving(tiny_checkpoint):
+    """With a seed per request, a sampled reply does not depend on what else runs beside it."""
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    proposer = DFlashProposer(random_drafter_for(target.model), target.model, BestFirstPolicy(6))
+    ids = prompts(3, target.model.config.vocab_size, seed=8)
+    sp = [SamplingParams(temperature=0.8, top_p=0.9, seed=i) for i in range(3)]
+    alone = []
+    for p, s in zip(ids, sp):
+        seq = Sequence(target, p, proposer, 20, s, stop_token_ids=())
+        while not seq.done:
+            seq.step()
+        alone.append(seq.tokens)
+    seqs = [Sequence(target, p, proposer, 20, s, stop_token_ids=()) for p, s in zip(ids, sp)]
+    interleave(seqs, order_seed=3)
+    assert [s.tokens for s in seqs] == alone
+
+
+def test_state_is_bounded_reported_and_freed(tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    cfg = target.model.config
+    proposer = DFlashProposer(random_drafter_for(target.model), target.model, BestFirstPolicy(8))
+    seq = Sequence(target, torch.tensor([1, 2, 3]), proposer, max_new_tokens=10)
+    rows = 3 + 10 + 8 + 1  # prompt + new tokens + one tree's scratch rows + the bonus token
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * rows * cfg.head_dim * 4
+    assert seq.state_bytes == kv  # the drafter's context exists after the first step
+    seq.step()
+    assert seq.state_bytes > kv
+    seq.close()
+    assert seq.state_bytes == 0 and seq.done and seq.finish_reason == "cancelled" and seq.step() == []
+
+
+def test_stop_token_and_zero_tokens(tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    p = torch.tensor([5, 9, 2])
+    ar = generate_ar(target, p, max_new_tokens=12, stop_token_ids=()).tokens
+    seq = Sequence(target, p, None, 12, stop_token_ids=(ar[4],))
+    while not seq.done:
+        seq.step()
+    assert seq.tokens == ar[:ar.index(ar[4]) + 1] and seq.finish_reason == "stop"
+    empty = Sequence(target, p, None, 0)
+    assert empty.done and empty.finish_reason == "length" and empty.step() == []
+
+
+def test_decoder_makes_sequences_for_every_method(tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    dec = Decoder(target, drafter=random_drafter_for(target.model), budget=6, cost_model=synthetic_cost_model())
+    p = torch.tensor([4, 8, 15, 16])
+    truth = generate_ar(target, p, max_new_tokens=16, stop_token_ids=()).tokens
+    for method in ("ar", "chain", "ddtree", "caddtree", "caddtree-online"):
+        seq = dec.sequence(method, p, 16, stop_token_ids=())
+        while not seq.done:
+            seq.step()
+        assert seq.tokens == truth, method
+    assert dec.proposer("chain") is dec.proposer("chain")  # shared, stateless
+    with pytest.raises(ValueError, match="unknown method"):
+        dec.sequence("beam", p)
