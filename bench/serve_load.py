@@ -81,6 +81,10 @@ def offline_replies(a, prompts: list[str]) -> tuple[list[str], list[int], dict]:
     target = load_target(a.model, compute=a.compute, threads=a.threads)
     decoder = Decoder(target, drafter=a.drafter, budget=a.budget)
     texts, lengths = [], []
+    warm = decoder.sequence(a.method, target.encode_chat("Hi"), max_new_tokens=4)  # one-off first-call costs
+    while not warm.done:
+        warm.step()
+    warm.close()
     t0 = time.perf_counter()
     for text in prompts:
         seq = decoder.sequence(a.method, target.encode_chat([{"role": "user", "content": text}]),

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
 from ..sampling import SamplingParams
-from ..validate import InputError, check_int, check_sampling
+from ..validate import InputError, check_int, check_sampling, check_token_ids
 
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_CHARS = 1000
@@ -245,11 +245,8 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
 
 
 def check_token_prompt(ids: list[int], vocab_size: int) -> list[int]:
-    for i, t in enumerate(ids):
-        if not 0 <= t < vocab_size:
-            raise bad_request(f"prompt[{i}] = {t} is not a token id of this model (0 <= id < {vocab_size})",
-                              param="prompt", code="invalid_value")
-    return ids
+    """Token ids of this model (drafttree.validate.check_token_ids: integers, non-empty, in [0, vocab))."""
+    return _checked("prompt", check_token_ids, ids, vocab_size).tolist()
 
 
 def fit_context(prompt_tokens: int, max_tokens: int | None, max_context: int, default_max_tokens: int, param: str,
