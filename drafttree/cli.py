@@ -222,8 +222,11 @@ def check_args(a) -> None:
     """Every check that needs no model, for whichever of these options the command has: run before
     anything is loaded, so a bad value costs a second, not a model load. (Method and prompt-set names are
     checked by the commands themselves, also before loading.)"""
-    from .validate import check_int, check_model_dir, check_positive_int, check_sampling, check_threads
+    from .validate import check_int, check_model_dir, check_positive_int, check_sampling, check_text, check_threads
 
+    for name in ("prompt", "system"):
+        if getattr(a, name, None) is not None:
+            check_text("the prompt" if name == "prompt" else "--system", getattr(a, name))
     if hasattr(a, "temperature"):
         check_sampling(a.temperature, a.top_p, a.top_k)
     check_threads(getattr(a, "threads", None))
@@ -235,13 +238,72 @@ def check_args(a) -> None:
     if getattr(a, "model", None):
         check_model_dir(a.model)
     if getattr(a, "drafter", None):
+        from pathlib import Path
+
         from .drafter.checkpoint import load_drafter_config
+        from .validate import check_safetensors
 
         load_drafter_config(a.drafter)
+        for f in sorted(Path(a.drafter).glob("*.safetensors")):
+            check_safetensors(f, "the drafter's weights", "copy the drafter again or retrain it (`drafttree train drafter`)")
     if getattr(a, "cost_model", None):
         from .costmodel import VerifyCostModel
 
         VerifyCostModel.load(a.cost_model)  # a FileNotFoundError names the path
+    _check_output_paths(a)
+
+
+def _check_output_paths(a) -> None:
+    """Everything the command will write can be written: --out, the model cache when the embedded model is
+    still to be converted, and the cost-model cache when a cost-aware method will profile this machine.
+    Checked now, not after minutes of profiling whose measurements would then be lost."""
+    from .methods import COST_AWARE
+    from .validate import CACHE_HINT, check_model_cache, check_writable
+
+    out = getattr(a, "out", None)
+    if out is not None:
+        check_writable(out, "--out", kind="file" if a.command == "profile" else "dir")
+    model = getattr(a, "model", None)
+    check_model_cache(model)
+    methods = [a.method] if hasattr(a, "method") else [m.strip() for m in str(getattr(a, "methods", "")).split(",")]
+    profiles = (a.command == "profile" and out is None) or (
+        any(m in COST_AWARE for m in methods) and not getattr(a, "cost_model", None))
+    if profiles and model:
+        paths = _cached_cost_model_paths(a)
+        if paths and not any(p.exists() for p in paths):
+            alternative = {"profile": " or pass --out FILE"}.get(a.command, "")
+            if hasattr(a, "cost_model"):
+                alternative = " or pass --cost-model FILE"
+            check_writable(paths[0], "the cost-model cache", kind="file", hint=f"{CACHE_HINT}{alternative} (this "
+                           "machine's costs are profiled once, about a minute, and saved there)")
+
+
+def _cached_cost_model_paths(a) -> list:
+    """Where methods.cost_model_path will look for the target these arguments load, without loading it or
+    building the C++ kernels (which decide between q4 and a float path under --compute auto): one path per
+    compute path the choice may end in; [] when that cannot be foreseen (the loader then says what is wrong)."""
+    import os
+    from types import SimpleNamespace
+
+    import torch
+
+    from .compute import LEGACY_DTYPES, cpu_info
+    from .methods import cost_model_path
+
+    threads = getattr(a, "threads", None) or int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1
+    before = torch.get_num_threads()
+    try:
+        requested = LEGACY_DTYPES.get(compute_of(a), compute_of(a))
+        isa = cpu_info().int8_isa
+        paths = {"fp32": [("fp32", None)], "bf16": [("bf16", None)], "int8": [("int8", isa)], "q4": [("q4", isa)],
+                 "auto": [("q4", isa), ("bf16", None), ("fp32", None)]}[requested]
+        torch.set_num_threads(threads)  # as load_target will: the file name carries the thread count
+        return [cost_model_path(SimpleNamespace(name=str(a.model), compute=SimpleNamespace(path=p, isa=i), compute_path=p))
+                for p, i in paths]
+    except Exception:  # noqa: BLE001 - a guess that fails is no error of the user's
+        return []
+    finally:
+        torch.set_num_threads(before)
 
 
 def main(argv=None) -> int:

@@ -115,6 +115,19 @@ def check_sampling(temperature, top_p, top_k) -> None:
     check_int("top_k", top_k, minimum=0)
 
 
+def check_text(name: str, text: str) -> str:
+    """Text from the command line that is valid UTF-8: Python hands undecodable argv bytes over as lone
+    surrogates, which a tokenizer either rejects with a traceback or turns into garbage tokens."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raw = text[e.start].encode("utf-8", "surrogateescape") if 0xDC80 <= ord(text[e.start]) <= 0xDCFF else b""
+        what = f"byte 0x{raw.hex()}" if raw else f"character U+{ord(text[e.start]):04X}"
+        raise InputError(f"{name} is not valid UTF-8 ({what} at character {e.start}): pass UTF-8 text "
+                         "(is the terminal or the file it came from in another encoding?)") from None
+    return text
+
+
 def check_threads(n) -> int | None:
     """None means all cores; more threads than cores only makes them wait for each other."""
     if n is None:
@@ -146,6 +159,8 @@ def check_model_dir(name_or_path: str) -> None:
         return  # embedded, or not a directory: load_target's own message says what is expected
     if not isinstance(read_json(config, "the model config"), dict):
         raise InputError(f"{config}: the model config must be a JSON object")
+    for f in sorted(config.parent.glob("*.safetensors")):
+        check_safetensors(f, "the model's weights", "copy or download the checkpoint again")
 
 
 # ---- cost models ---------------------------------------------------------------------------------
@@ -180,6 +195,8 @@ LARGE_BLOCK_SIZE = 32
 def check_drafter_config(d: dict) -> None:
     """The fields of a DFlash drafter config.json that sizes and indices are built from."""
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if key not in d:
+            raise InputError(f"drafter config lacks the key {key!r}: is this a DFlash drafter's config.json?")
         check_positive_int(f"drafter config {key}", d.get(key))
     dc = d.get("dflash_config") or {}
     block = d.get("block_size", dc.get("block_size"))
@@ -195,3 +212,76 @@ def check_drafter_config(d: dict) -> None:
             check_int("drafter config target_layer_ids entry", i, minimum=0)
         if len(set(layers)) != len(layers):
             raise InputError(f"drafter config target_layer_ids has duplicates: {layers}")
+
+
+# ---- output and cache paths ----------------------------------------------------------------------
+
+MIN_FREE_BYTES = 1 << 20  # less than this free and even a results table may not fit
+
+
+def _nearest_existing(path: Path) -> Path:
+    p = path
+    while not os.path.lexists(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_writable(path, what: str, kind: str = "dir", need_bytes: int = MIN_FREE_BYTES, hint: str | None = None) -> Path:
+    """That `path` can be written (as a directory, or as a file when kind="file") before any work is done for
+    it: no part of it is a file where a directory must be, a file is not a directory, the nearest existing
+    folder accepts a new file (tried for real: permission bits say nothing to root or on a read-only
+    mount) and its disk has `need_bytes` free. Creates nothing (the trial file is removed at once)."""
+    import tempfile
+
+    path = Path(path).expanduser()
+    fix = hint or f"choose another {what}"
+    base = _nearest_existing(path.absolute())
+    if base == path.absolute():
+        if kind == "file" and base.is_dir():
+            raise InputError(f"{what} {path} is a directory, not a file: give a file path" + (f" or {hint}" if hint else ""))
+        if kind == "dir" and not base.is_dir():
+            raise InputError(f"{what} {path} is a file, not a directory: {fix}")
+        folder = base if kind == "dir" else base.parent
+    else:
+        if not base.is_dir():
+            raise InputError(f"{what} {path}: {base} is a file, not a directory: {fix}")
+        folder = base
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".drafttree-write-check-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise InputError(f"{what} {path} is not writable: cannot create files in {folder} ({e.strerror}): {fix}") from None
+    import shutil
+
+    free = shutil.disk_usage(folder).free
+    if free < need_bytes:
+        raise InputError(f"{what} {path}: the disk holding {folder} is full ({free / 1e6:.1f} MB free, "
+                         f"{need_bytes / 1e6:.0f} MB needed): free some space or {fix}")
+    return path
+
+
+CONVERTED_MODEL_BYTES = 600_000_000  # the embedded model converted to fp32 safetensors (517 MB) and its tokenizer
+CACHE_HINT = "set DRAFTTREE_CACHE to a writable directory with room"
+
+
+def check_model_cache(model) -> None:
+    """An embedded model not converted yet needs a writable cache with room for the conversion (checked
+    before, not after, the ~25 s it takes; a converted model is only read, so a read-only cache is fine)."""
+    from .gguf_convert import EMBEDDED, cache_root
+
+    if model in EMBEDDED and not (cache_root() / model / "model.safetensors").exists():
+        check_writable(cache_root(), "the model cache", need_bytes=CONVERTED_MODEL_BYTES,
+                       hint=f"{CACHE_HINT} ({model} is converted there on first use, about 600 MB)")
+
+
+def check_safetensors(path, what: str, fix: str) -> None:
+    """A safetensors file whose header reads and whose data the file covers (a truncated copy fails here, in
+    a millisecond, instead of as a Rust error mid-load); reads no tensor."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except SafetensorError as e:
+        raise InputError(f"{path}: {what} is unreadable, perhaps truncated ({e}): {fix}") from None

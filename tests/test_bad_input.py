@@ -73,6 +73,12 @@ def test_prompt_set_commands_refuse_an_empty_or_invalid_selection(run_cli, comma
     _assert_one_line_error(*run_cli(command, *args), *words)
 
 
+def test_bench_max_tree_nodes_checked_before_profiling(run_cli):
+    """It failed after 117 s of profiling, having written a cost model; now: at once, nothing written."""
+    _assert_one_line_error(*run_cli("bench", "--max-tree-nodes", "-1"), "--max-tree-nodes", "-1")
+    _assert_one_line_error(*run_cli("bench", "--max-tree-nodes", "0", "--methods", "caddtree"), "--max-tree-nodes")
+
+
 def test_check_lossless_run_checks_before_loading(monkeypatch):
     """The same refusals when run() is called directly, without the CLI's checks."""
     from drafttree.bench import lossless
@@ -176,6 +182,7 @@ def _drafter_config(**changes) -> dict:
          "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 50, "block_size": 8,
          "dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": 3}}
     d.update({k: v for k, v in changes.items() if k != "layers"})
+    d = {k: v for k, v in d.items() if v is not None}  # None: the key is missing
     if "layers" in changes:
         d["dflash_config"] = {**d["dflash_config"], "target_layer_ids": changes["layers"]}
     return d
@@ -185,7 +192,7 @@ def _drafter_config(**changes) -> dict:
     (dict(block_size=1000), ["block_size", "1000"]), (dict(block_size=1), ["block_size"]),
     (dict(block_size=8.5), ["block_size"]), (dict(layers=[0, 1.5]), ["target_layer_ids", "1.5"]),
     (dict(layers=[0, -1]), ["target_layer_ids"]), (dict(layers=[2, 2]), ["duplicates"]),
-    (dict(hidden_size=0), ["hidden_size"]),
+    (dict(hidden_size=0), ["hidden_size"]), (dict(vocab_size=None), ["lacks the key 'vocab_size'"]),
 ])
 def test_bad_drafter_config(run_cli, tmp_path, changes, words):
     with pytest.raises(InputError, match=words[0]):
@@ -286,3 +293,187 @@ def test_check_token_ids_names_what_it_checks():
         check_token_ids([12], 10, what="reply")
     with pytest.raises(InputError, match="vocab_size"):
         check_token_ids([1], 0)
+
+
+# ---- output and cache paths: checked before any work ---------------------------------------------
+
+
+def _write_fails(folder: Path) -> bool:
+    try:
+        (folder / ".probe").write_text("x")
+    except OSError:
+        return True
+    (folder / ".probe").unlink()
+    return False
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder no file can be created in: a chmod 555 directory, or (as root, whom permission bits do not
+    stop) /sys, where even root cannot create files."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        if _write_fails(ro):
+            yield ro
+        elif Path("/sys").is_dir() and _write_fails(Path("/sys")):
+            yield Path("/sys")
+        else:
+            pytest.skip("no read-only place here")
+    finally:
+        ro.chmod(0o755)
+
+
+@pytest.fixture
+def a_file(tmp_path):
+    f = tmp_path / "a_file"
+    f.write_text("not a directory")
+    return f
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["profile", "--out", "{file}/cost.json"], ["--out", "a_file is a file, not a directory"]),
+    (["profile", "--out", "{ro}/cost.json"], ["--out", "not writable", "cannot create files"]),
+    (["profile", "--out", "{tmp}"], ["--out", "is a directory, not a file"]),
+    (["bench", "--out", "{file}"], ["--out", "is a file, not a directory"]),
+    (["bench", "--out", "{ro}/bench"], ["--out", "not writable"]),
+    (["bench-runtime", "--out", "{ro}/x"], ["--out", "not writable"]),
+    (["check-lossless", "--out", "{file}/sub"], ["--out", "is a file, not a directory"]),
+    (["replay", "--out", "{file}"], ["--out", "is a file"]),
+    (["bench-peers", "--out", "{ro}/peers"], ["--out", "not writable"]),
+    (["train", "data", "--out", "{ro}/data"], ["--out", "not writable"]),
+])
+def test_unwritable_out_fails_before_any_work(run_cli, tmp_path, read_only_dir, a_file, argv, words):
+    argv = [x.format(file=a_file, ro=read_only_dir, tmp=tmp_path) for x in argv]
+    _assert_one_line_error(*run_cli(*argv), *words)
+
+
+def test_read_only_or_file_typed_cache_fails_before_the_conversion(run_cli, monkeypatch, read_only_dir, a_file):
+    for cache in (read_only_dir / "cache", a_file):
+        monkeypatch.setenv("DRAFTTREE_CACHE", str(cache))
+        for argv in (["generate", "hi"], ["demo"], ["train", "data", "--out", "d"]):
+            _assert_one_line_error(*run_cli(*argv), "the model cache", "DRAFTTREE_CACHE")
+
+
+def test_full_cache_fails_before_the_conversion(run_cli, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 50_000_000, 50_000_000))
+    _assert_one_line_error(*run_cli("generate", "hi"), "the model cache", "full", "50.0 MB free", "600 MB needed")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9, 1000))
+    _assert_one_line_error(*run_cli("bench", "--out", "results"), "--out", "full")
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A checkpoint directory as far as the checks before loading go (not the embedded model: no conversion)."""
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "llama"}')
+    return d
+
+
+@pytest.mark.parametrize("argv, fix", [
+    (["generate", "hi", "--method", "caddtree"], None), (["demo"], None),  # demo: caddtree-online by default
+    (["bench", "--methods", "ar,caddtree", "--limit", "1", "--out", "{tmp}/out"], "--cost-model FILE"),
+    (["check-lossless", "--methods", "caddtree-online", "--limit", "1", "--out", "{tmp}/out"], None),
+    (["profile"], "--out FILE"),
+])
+def test_first_caddtree_run_with_a_read_only_cache_fails_before_profiling(run_cli, monkeypatch, tmp_path, read_only_dir,
+                                                                          model_dir, argv, fix):
+    monkeypatch.setenv("DRAFTTREE_CACHE", str(read_only_dir / "cache"))
+    argv = [x.format(tmp=tmp_path) for x in argv] + ["--model", str(model_dir), "--compute", "fp32"]
+    code, err = run_cli(*argv)
+    _assert_one_line_error(code, err, "the cost-model cache", "costmodels", "not writable", "DRAFTTREE_CACHE",
+                           "profiled once", *([fix] if fix else []))
+
+
+def test_a_cached_cost_model_needs_no_writable_cache(monkeypatch, tmp_path, model_dir):
+    """No false alarm: with this machine's cost model in the cache (or --cost-model given), nothing is written."""
+    from drafttree import validate
+    from drafttree.compute import cpu_info
+
+    monkeypatch.setenv("DRAFTTREE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    checked = []
+    monkeypatch.setattr(validate, "check_writable", lambda path, what, **k: checked.append(what))
+    for compute, name in (("auto", f"model-q4-{cpu_info().int8_isa}-t3.json"), ("fp32", "model-fp32-t3.json")):
+        argv = ["generate", "hi", "--method", "caddtree", "--model", str(model_dir), "--compute", compute]
+        cli.check_args(cli.build_parser().parse_args(argv))
+        assert checked == ["the cost-model cache"], checked  # nothing cached yet: checked
+        checked.clear()
+        (tmp_path / "cache" / "costmodels").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cache" / "costmodels" / name).write_text("{}")
+        cli.check_args(cli.build_parser().parse_args(argv))
+        assert checked == [], checked
+    cli.check_args(cli.build_parser().parse_args(["generate", "hi", "--method", "chain", "--model", str(model_dir)]))
+    assert checked == []  # chain profiles nothing
+
+
+# ---- other command-line input ---------------------------------------------------------------------
+
+
+def test_prompt_that_is_not_utf8(run_cli):
+    bad = b"caf\xe9".decode("utf-8", "surrogateescape")  # how Python hands over undecodable argv bytes
+    _assert_one_line_error(*run_cli("generate", bad), "prompt", "not valid UTF-8", "0xe9")
+    _assert_one_line_error(*run_cli("generate", "hi", "--system", bad), "--system", "not valid UTF-8")
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_truncated_drafter_and_model_weights(run_cli, tmp_path):
+    cfg = config_from_dict(_drafter_config())
+    torch.manual_seed(0)
+    save_drafter(DFlashDrafter(cfg), tmp_path / "drafter")
+    _truncate(tmp_path / "drafter" / "model.safetensors")
+    _assert_one_line_error(*run_cli("generate", "hi", "--method", "chain", "--drafter", str(tmp_path / "drafter")),
+                           "model.safetensors", "drafter's weights", "truncated")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "model.safetensors").write_bytes((tmp_path / "drafter" / "model.safetensors").read_bytes())
+    _assert_one_line_error(*run_cli("generate", "hi", "--model", str(model)), "model's weights", "truncated")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--sizes", "0"], ["--sizes", ">= 1", "'0'"]), (["--sizes", "1,a"], ["--sizes", "integers"]),
+    (["--sizes", ""], ["--sizes"]), (["--contexts", "-5"], ["--contexts", ">= 0"]),
+    (["--curve-dtypes", "fp16"], ["--curve-dtypes", "fp16", "bf16, fp32"]), (["--curve-dtypes", ""], ["--curve-dtypes"]),
+    (["--skip-ar", "--skip-curve"], ["nothing to measure"]), (["--repeats", "0"], ["--repeats"]),
+    (["--prompts", "0"], ["--prompts"]),
+])
+def test_bench_runtime_refuses_bad_options(run_cli, monkeypatch, args, words):
+    monkeypatch.setattr("drafttree.gguf_convert.convert_embedded", lambda *a, **k: pytest.fail("converted first"))
+    _assert_one_line_error(*run_cli("bench-runtime", *args), *words)
+
+
+# ---- train drafter / train data ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--code", "0"], ["no prompt source", "--gsm8k", "--code"]),
+    (["--gsm8k", "../shared/data/gsm8k/train.jsonl"], ["--gsm8k", "no such file", "grade-school-math"]),
+    (["--batch", "0"], ["--batch"]), (["--max-new-tokens", "0"], ["--max-new-tokens"]),
+    (["--limit", "0"], ["--limit"]), (["--code", "-1"], ["--code"]), (["--sampled-fraction", "2"], ["--sampled-fraction"]),
+    (["--sampled-fraction", "nan"], ["--sampled-fraction"]), (["--layers", "1,x"], ["--layers"]),
+    (["--layers", "1,1"], ["--layers", "distinct"]), (["--layers", ""], ["--layers"]), (["--threads", "0"], ["threads"]),
+])
+def test_train_data_refuses_bad_options(run_cli, monkeypatch, args, words):
+    monkeypatch.setattr("drafttree.drafter.datagen.stdlib_code_prompts", lambda *a, **k: pytest.fail("prompts read first"))
+    _assert_one_line_error(*run_cli("train", "data", "--out", "data", *args), *words)
+
+
+def test_train_data_with_an_empty_or_broken_gsm8k_file(run_cli, tmp_path):
+    gsm = tmp_path / "train.jsonl"
+    gsm.write_text("\n")
+    _assert_one_line_error(*run_cli("train", "data", "--out", "data", "--code", "0", "--gsm8k", str(gsm)),
+                           "no training prompts")
+    gsm.write_text('{"question": "1+1?", "answer": "2"}\n{"answer": "3"}\n')
+    _assert_one_line_error(*run_cli("train", "data", "--out", "data", "--code", "0", "--gsm8k", str(gsm)),
+                           "line 2", "question")

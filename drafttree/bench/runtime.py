@@ -341,13 +341,18 @@ def check_arguments(args) -> tuple[tuple[int, ...], tuple[int, ...], list[str]]:
     loaded: a size of 0 or an unknown dtype would otherwise fail after the AR comparison's minutes."""
     from ..validate import InputError
 
+    def given(name, default):  # None: not given, the default; an empty string was given and is refused below
+        value = getattr(args, name, None)
+        return default if value is None else value
+
     quick = getattr(args, "quick", False)
-    contexts = _ints(getattr(args, "contexts", None) or ("256" if quick else "256,1024"), "--contexts", 0)
-    sizes = _ints(getattr(args, "sizes", None) or ",".join(map(str, SIZES)), "--sizes", 1)
-    curve_dtypes = [d.strip() for d in (getattr(args, "curve_dtypes", None) or "bf16,fp32").split(",") if d.strip()]
+    contexts = _ints(given("contexts", "256" if quick else "256,1024"), "--contexts", 0)
+    sizes = _ints(given("sizes", ",".join(map(str, SIZES))), "--sizes", 1)
+    dtypes = given("curve_dtypes", "bf16,fp32")
+    curve_dtypes = [d.strip() for d in str(dtypes).split(",") if d.strip()]
     bad = [d for d in curve_dtypes if d not in CURVE_DTYPES]
     if bad or not curve_dtypes:
-        raise InputError(f"--curve-dtypes {getattr(args, 'curve_dtypes', None)!r}: choose from bf16, fp32" +
+        raise InputError(f"--curve-dtypes {dtypes!r}: choose from bf16, fp32" +
                          (f" ({', '.join(bad)} is not measured)" if bad else ""))
     if getattr(args, "skip_ar", False) and getattr(args, "skip_curve", False):
         raise InputError("--skip-ar with --skip-curve leaves nothing to measure: drop one of them")

@@ -141,7 +141,8 @@ def generate_packed(model, prompts: list[torch.Tensor], max_new_tokens: int, sam
 
 def training_prompts(a) -> list[str]:
     """GSM8K train questions, stdlib code prompts and ShareGPT first turns, shuffled (never evaluation sets)."""
-    prompts = (gsm8k_train_prompts(a.gsm8k)[: a.gsm8k_limit] if a.gsm8k else []) + stdlib_code_prompts(a.code, a.seed)
+    prompts = (gsm8k_train_prompts(a.gsm8k)[: a.gsm8k_limit] if a.gsm8k else [])
+    prompts += stdlib_code_prompts(a.code, a.seed) if a.code else []  # --code 0: no walk over the stdlib
     prompts += sharegpt_prompts(a.sharegpt, a.seed) if a.sharegpt else []
     random.Random(a.seed).shuffle(prompts)
     return prompts[: a.limit]
@@ -223,8 +224,8 @@ def main(argv=None) -> int:
     layers = check_arguments(a)
     prompts = training_prompts(a)  # before the model: an empty or broken prompt source fails in a second
     if not prompts:
-        raise InputError("no training prompts: the chosen sources gave none (an empty --gsm8k file, or --limit "
-                         "cut everything)")
+        raise InputError("no training prompts: the sources chosen gave none" + (f" (is --gsm8k {a.gsm8k} empty?)"
+                                                                                if a.gsm8k else ""))
 
     from ..load import load_target
 
