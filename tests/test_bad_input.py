@@ -79,6 +79,16 @@ def test_bench_max_tree_nodes_checked_before_profiling(run_cli):
     _assert_one_line_error(*run_cli("bench", "--max-tree-nodes", "0", "--methods", "caddtree"), "--max-tree-nodes")
 
 
+def test_init_from_a_truncated_drafter(run_cli, tmp_path, train_inputs):
+    data, target, run = train_inputs
+    import shutil
+
+    shutil.copytree(run / "drafter", tmp_path / "init")
+    _truncate(tmp_path / "init" / "model.safetensors")
+    _assert_one_line_error(*run_cli(*_train(data, target, tmp_path / "out", "--init-from", str(tmp_path / "init"))),
+                           "--init-from", "truncated")
+
+
 def test_check_lossless_run_checks_before_loading(monkeypatch):
     """The same refusals when run() is called directly, without the CLI's checks."""
     from drafttree.bench import lossless
@@ -342,6 +352,7 @@ def a_file(tmp_path):
     (["check-lossless", "--out", "{file}/sub"], ["--out", "is a file, not a directory"]),
     (["replay", "--out", "{file}"], ["--out", "is a file"]),
     (["bench-peers", "--out", "{ro}/peers"], ["--out", "not writable"]),
+    (["train", "drafter", "--data", "d", "--target", "t", "--out", "{file}"], ["--out", "is a file"]),
     (["train", "data", "--out", "{ro}/data"], ["--out", "not writable"]),
 ])
 def test_unwritable_out_fails_before_any_work(run_cli, tmp_path, read_only_dir, a_file, argv, words):
@@ -352,7 +363,8 @@ def test_unwritable_out_fails_before_any_work(run_cli, tmp_path, read_only_dir, 
 def test_read_only_or_file_typed_cache_fails_before_the_conversion(run_cli, monkeypatch, read_only_dir, a_file):
     for cache in (read_only_dir / "cache", a_file):
         monkeypatch.setenv("DRAFTTREE_CACHE", str(cache))
-        for argv in (["generate", "hi"], ["demo"], ["train", "data", "--out", "d"]):
+        for argv in (["generate", "hi"], ["demo"], ["train", "data", "--out", "d"],
+                     ["train", "drafter", "--data", "d", "--target", "smollm2-135m-instruct", "--out", "o"]):
             _assert_one_line_error(*run_cli(*argv), "the model cache", "DRAFTTREE_CACHE")
 
 
@@ -454,6 +466,128 @@ def test_bench_runtime_refuses_bad_options(run_cli, monkeypatch, args, words):
 
 
 # ---- train drafter / train data ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def train_inputs(tmp_path_factory):
+    """(data dir, target dir) of the synthetic training set of test_drafter_train, and a run interrupted at
+    step 2 (checkpoint to resume)."""
+    from test_drafter_train import synthetic
+
+    from drafttree.drafter.train import main as train_main
+
+    root = tmp_path_factory.mktemp("train")
+    data, target, _ = synthetic(root)
+    train_main(["--data", str(data), "--target", str(target), "--out", str(root / "run"), "--block-size", "4",
+                "--steps", "4", "--stop-at", "2", "--checkpoint-every", "2", "--log-every", "2", "--seqs-per-step", "2"])
+    return data, target, root / "run"
+
+
+def _train(data, target, out, *extra):
+    return ["train", "drafter", "--data", str(data), "--target", str(target), "--out", str(out), "--block-size", "4",
+            "--steps", "4", "--log-every", "2", "--checkpoint-every", "2", "--seqs-per-step", "2", *extra]
+
+
+@pytest.mark.parametrize("option, value, words", [
+    ("--steps", "0", ["--steps", "untrained"]), ("--layers", "0", ["--layers", "at least one layer"]),
+    ("--log-every", "0", ["--log-every", ">= 1"]), ("--checkpoint-every", "0", ["--checkpoint-every", ">= 1"]),
+    ("--seqs-per-step", "0", ["--seqs-per-step", ">= 1"]), ("--blocks-per-seq", "0", ["--blocks-per-seq"]),
+    ("--ce-chunk-rows", "0", ["--ce-chunk-rows"]), ("--steps", "-3", ["--steps"]),
+    ("--lr", "nan", ["--lr", "finite"]), ("--lr", "0", ["--lr", "> 0"]), ("--min-lr-ratio", "2", ["--min-lr-ratio"]),
+    ("--grad-clip", "-1", ["--grad-clip"]), ("--loss-decay-gamma", "inf", ["--loss-decay-gamma"]),
+    ("--block-size", "1", ["--block-size", ">= 2"]), ("--block-size", "1000", ["--block-size", "<= 64"]),
+    ("--warmup-steps", "-1", ["--warmup-steps"]), ("--draft-vocab", "-1", ["--draft-vocab"]),
+    ("--threads", "-1", ["--threads"]), ("--stop-at", "0", ["--stop-at"]), ("--max-context", "0", ["--max-context"]),
+    ("--bf16", "maybe", ["--bf16"]),
+])
+def test_train_drafter_refuses_bad_options(run_cli, monkeypatch, tmp_path, train_inputs, option, value, words):
+    monkeypatch.setattr("drafttree.drafter.train.load_target_head", lambda *a, **k: pytest.fail("target read first"))
+    monkeypatch.setattr("drafttree.drafter.train.FeatureDataset", lambda *a, **k: pytest.fail("data read first"))
+    data, target, _ = train_inputs
+    _assert_one_line_error(*run_cli(*_train(data, target, tmp_path / "out", option, value)), *words)
+
+
+def test_train_drafter_without_data(run_cli, tmp_path, train_inputs):
+    _, target, _ = train_inputs
+    _assert_one_line_error(*run_cli(*_train(tmp_path / "nope", target, tmp_path / "out")), "--data", "train data")
+    (tmp_path / "empty").mkdir()
+    _assert_one_line_error(*run_cli(*_train(tmp_path / "empty", target, tmp_path / "out")), "no .safetensors", "train data")
+
+
+def test_truncated_or_foreign_training_shard(run_cli, tmp_path, train_inputs):
+    import shutil
+
+    data, target, _ = train_inputs
+    bad = tmp_path / "data"
+    shutil.copytree(data, bad)
+    shard = bad / "features-00001.safetensors"
+    _truncate(shard)
+    _assert_one_line_error(*run_cli(*_train(bad, target, tmp_path / "out")), str(shard), "truncated", "delete",
+                           "train data")
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(shard))
+    _assert_one_line_error(*run_cli(*_train(bad, target, tmp_path / "out")), str(shard), "not a drafttree feature shard")
+
+
+def test_training_data_with_token_ids_beyond_the_vocabulary(run_cli, tmp_path, train_inputs):
+    import shutil
+
+    from drafttree.drafter.data import write_feature_shard
+    from test_drafter_train import LAYER_IDS, V, H
+
+    data, target, _ = train_inputs
+    bad = tmp_path / "data"
+    shutil.copytree(data, bad)
+    ids = torch.arange(10) + V - 5  # the last five are >= the target's vocabulary
+    write_feature_shard(bad / "features-00009.safetensors", [(ids, torch.zeros(10, 3 * H), torch.ones(10))], LAYER_IDS)
+    _assert_one_line_error(*run_cli(*_train(bad, target, tmp_path / "out")), "features-00009.safetensors",
+                           f"token id {V}", f"vocabulary of {V}", "another model", "train data")
+
+
+@pytest.mark.parametrize("broken, words", [
+    ("trainer_state.json", ["trainer_state.json", "truncated", "--no-resume"]),
+    ("optimizer.safetensors", ["optimizer.safetensors", "truncated", "--no-resume"]),
+    ("model.safetensors", ["checkpoint", "cannot be loaded", "--no-resume"]),
+    ("config.json", ["checkpoint", "not valid JSON", "--no-resume"]),
+])
+def test_truncated_resume_state(run_cli, tmp_path, train_inputs, broken, words):
+    import shutil
+
+    data, target, run = train_inputs
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    _truncate(out / "checkpoint" / broken)
+    _assert_one_line_error(*run_cli(*_train(data, target, out)), *words)
+
+
+def test_resume_after_a_kill_between_the_checkpoint_renames(tmp_path, train_inputs):
+    """_write_checkpoint renames checkpoint -> checkpoint.old, then checkpoint.tmp -> checkpoint: a kill in
+    between leaves only checkpoint.old, which is whole, and the next run resumes from it."""
+    import shutil
+
+    from drafttree.drafter.train import main as train_main
+
+    data, target, run = train_inputs
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    (out / "checkpoint").rename(out / "checkpoint.old")
+    train_main(_train(data, target, out, "--stop-at", "3")[2:])
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 3 and [m["step"] for m in state["metrics"]] == [2, 3]  # resumed at 2, not from 0
+    assert not (out / "checkpoint.old").exists()
+
+
+def test_stale_partial_shards_are_removed(tmp_path):
+    from drafttree.drafter.data import FeatureShardWriter
+
+    old, fresh = tmp_path / "features-00000.safetensors.partial", tmp_path / "features-00001.safetensors.partial"
+    for p in (old, fresh):
+        p.write_bytes(b"half a shard")
+    an_hour_ago = time.time() - 3600
+    os.utime(old, (an_hour_ago, an_hour_ago))
+    FeatureShardWriter(tmp_path, [0])
+    assert not old.exists() and fresh.exists()  # a fresh one may be a writer at work
 
 
 @pytest.mark.parametrize("args, words", [

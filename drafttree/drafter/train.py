@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -32,6 +32,7 @@ from drafttree.drafter.checkpoint import load_drafter, save_drafter
 from drafttree.drafter.data import FeatureDataset
 from drafttree.drafter.loss import linear_cross_entropy
 from drafttree.drafter.model import DFlashConfig, DFlashDrafter, block_attention_mask
+from drafttree.validate import InputError
 
 
 @dataclass
@@ -298,11 +299,13 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
     main = rank == 0
 
     data = FeatureDataset(data_dir)
+    data.check_token_ids(embed_weight.shape[0])  # before anything indexes the embedding with them
     ckpt = out / "checkpoint"
     state = {"step": 0, "metrics": []}
+    if resume and main and not ckpt.exists() and (out / "checkpoint.old" / "trainer_state.json").exists():
+        (out / "checkpoint.old").rename(ckpt)  # killed between _write_checkpoint's two renames: the old one is whole
     if resume and (ckpt / "trainer_state.json").exists():
-        drafter = load_drafter(ckpt, dtype=torch.float32)
-        state = json.loads((ckpt / "trainer_state.json").read_text())
+        drafter, state = _load_resume_state(ckpt)
     elif init_from is not None:
         drafter = load_drafter(init_from, dtype=torch.float32)
     else:
@@ -320,6 +323,9 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
     if data.target_layer_ids != cfg.target_layer_ids or data.feature_dim != cfg.context_dim:
         raise ValueError(f"data has target_layer_ids {data.target_layer_ids} (width {data.feature_dim}); the drafter "
                          f"expects {cfg.target_layer_ids} (width {cfg.context_dim})")
+    if embed_weight.shape[0] != cfg.vocab_size:
+        raise InputError(f"the target's embedding has {embed_weight.shape[0]} rows but the drafter's vocabulary is "
+                         f"{cfg.vocab_size}: train against the target the drafter was made for")
     drafter.train()
     use_bf16 = _use_bf16(tc.bf16)
     # frozen, sliced to the draft vocabulary once, in the dtype its matmuls run in
@@ -330,7 +336,11 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
         model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     opt = make_optimizer(drafter, tc)
     if resume and (ckpt / "optimizer.safetensors").exists() and state["step"] > 0:
-        load_optimizer(opt, drafter, ckpt / "optimizer.safetensors")
+        try:
+            load_optimizer(opt, drafter, ckpt / "optimizer.safetensors")
+        except (SafetensorError, ValueError) as e:
+            raise InputError(f"{ckpt / 'optimizer.safetensors'}: unreadable optimizer state, perhaps truncated ({e}); "
+                             f"{_START_OVER.format(ckpt=ckpt)}") from None
 
     metrics: list[dict] = state["metrics"]
     window = {"loss": 0.0, "n": 0, "correct": 0, "valid": 0, "tau": 0.0, "blocks": 0, "t": 0.0}
@@ -395,6 +405,28 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
             "final": metrics[-1] if metrics else None}
 
 
+_START_OVER = "delete {ckpt} or pass --no-resume to start training over"
+
+
+def _load_resume_state(ckpt: Path):
+    """(drafter, trainer state) of the checkpoint to resume, or an InputError naming the broken file."""
+    state_file = ckpt / "trainer_state.json"
+    try:
+        state = json.loads(state_file.read_bytes().decode("utf-8"))
+        if not (isinstance(state, dict) and isinstance(state.get("step"), int) and state["step"] >= 0
+                and isinstance(state.get("metrics"), list)):
+            raise ValueError("it needs a step >= 0 and a list of metrics")
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError too
+        raise InputError(f"{state_file}: unusable trainer state, perhaps truncated ({e}); "
+                         f"{_START_OVER.format(ckpt=ckpt)}") from None
+    try:
+        drafter = load_drafter(ckpt, dtype=torch.float32)
+    except (SafetensorError, ValueError, KeyError) as e:
+        raise InputError(f"{ckpt}: the drafter of the checkpoint cannot be loaded ({e}); "
+                         f"{_START_OVER.format(ckpt=ckpt)}") from None
+    return drafter, state
+
+
 def _use_bf16(setting: str) -> bool:
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"bf16 must be auto, on or off, got {setting!r}")
@@ -437,6 +469,51 @@ def _write_checkpoint(out: Path, drafter, opt, state: dict) -> None:
     save_plots(state["metrics"], out)
 
 
+def check_arguments(a) -> None:
+    """The options of `train drafter`, checked before the data or the target is read: a zero step count or
+    layer count would save an untrained or empty drafter, a zero interval fails at the first modulo."""
+    from drafttree.validate import (MAX_BLOCK_SIZE, check_finite, check_int, check_model_cache, check_model_dir,
+                                    check_threads, check_writable)
+
+    def opt(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    for name, why in (("steps", "0 steps would save an untrained drafter"), ("layers", "a drafter needs at least one layer"),
+                      ("seqs_per_step", "sequences per step"), ("blocks_per_seq", "anchors per sequence"),
+                      ("log_every", "steps between log lines"), ("checkpoint_every", "steps between checkpoints"),
+                      ("ce_chunk_rows", "rows per loss chunk")):
+        value = getattr(a, name)
+        if not isinstance(value, int) or value < 1:
+            raise InputError(f"{opt(name)} must be an integer >= 1 ({why}), got {value}")
+    for name in ("max_context", "stop_at"):
+        if getattr(a, name) is not None:
+            check_int(opt(name), getattr(a, name), minimum=1)
+    check_int("--block-size", a.block_size, 2, MAX_BLOCK_SIZE)
+    check_int("--warmup-steps", a.warmup_steps, minimum=0)
+    check_int("--draft-vocab", a.draft_vocab, minimum=0)
+    check_int("--threads", a.threads, minimum=0)
+    if a.threads:
+        check_threads(a.threads)
+    for name, positive, high in (("lr", True, None), ("min_lr_ratio", False, 1.0), ("weight_decay", False, None),
+                                 ("grad_clip", True, None), ("loss_decay_gamma", True, None)):
+        value = check_finite(opt(name), getattr(a, name))
+        if value < 0 or (positive and value == 0) or (high is not None and value > high):
+            bounds = ("> 0" if positive else ">= 0") + (f" and <= {high:g}" if high is not None else "")
+            raise InputError(f"{opt(name)} must be {bounds}, got {value}")
+    if a.bf16 not in ("auto", "on", "off"):
+        raise InputError(f"--bf16 must be auto, on or off, got {a.bf16!r}")
+    check_writable(a.out, "--out")
+    check_model_dir(a.target)
+    check_model_cache(a.target)
+    if a.init_from:
+        from drafttree.drafter.checkpoint import load_drafter_config
+        from drafttree.validate import check_safetensors
+
+        load_drafter_config(a.init_from)
+        for f in sorted(Path(a.init_from).glob("*.safetensors")):
+            check_safetensors(f, "the --init-from drafter's weights", "copy the drafter again")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Train a DFlash drafter on precomputed target features.")
     p.add_argument("--data", required=True, help="directory of feature shards (drafttree.drafter.data)")
@@ -455,13 +532,14 @@ def main(argv=None):
         kind = {"float": float, "str": str}.get(str(f.type), int)
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
     a = p.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
     if not a.target:
         p.error("--target is required (the embedding and LM head come from the target)")
+    check_arguments(a)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    data = FeatureDataset(a.data)  # a missing or broken shard fails now, not after the target is converted
     embed, head, _, target_cfg = load_target_head(a.target)
     tc = TrainConfig(**{k: getattr(a, k) for k in TrainConfig.__dataclass_fields__ if k != "betas"})
-    data = FeatureDataset(a.data)
     dcfg = drafter_config_from_target(target_cfg, data.target_layer_ids, a.layers, a.block_size, a.draft_vocab or None)
     summary = train_drafter(a.data, a.out, embed, head, dcfg, tc, init_from=a.init_from, resume=not a.no_resume)
     if summary["rank"] == 0 and summary["final"]:
