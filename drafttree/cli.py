@@ -265,6 +265,7 @@ def _check_output_paths(a) -> None:
         check_writable(out, "--out", kind="file" if a.command == "profile" else "dir")
     model = getattr(a, "model", None)
     check_model_cache(model)
+    _check_kernel_cache(a)
     methods = [a.method] if hasattr(a, "method") else [m.strip() for m in str(getattr(a, "methods", "")).split(",")]
     profiles = (a.command == "profile" and out is None) or (
         any(m in COST_AWARE for m in methods) and not getattr(a, "cost_model", None))
@@ -276,6 +277,32 @@ def _check_output_paths(a) -> None:
                 alternative = " or pass --cost-model FILE"
             check_writable(paths[0], "the cost-model cache", kind="file", hint=f"{CACHE_HINT}{alternative} (this "
                            "machine's costs are profiled once, about a minute, and saved there)")
+
+
+def _check_kernel_cache(a) -> None:
+    """The C++ kernels (int8, q4) are compiled into the cache on first use: with an unwritable cache an
+    explicit --compute int8/q4 fails now, in one line (not as a traceback after the model load), and
+    --compute auto says that it will fall back to a float path."""
+    from .compute import LEGACY_DTYPES
+    from .validate import CACHE_HINT, InputError, check_writable, warn
+
+    if not hasattr(a, "compute"):
+        return
+    requested = LEGACY_DTYPES.get(compute_of(a), compute_of(a))
+    if requested not in ("auto", "int8", "q4"):
+        return
+    from .ops.cpu_extension import build_dir
+
+    out = build_dir()
+    if any(out.glob("*.so")):
+        return
+    try:
+        check_writable(out, "the kernel cache", need_bytes=50_000_000,
+                       hint=f"{CACHE_HINT} (the C++ kernels are compiled there once, about a minute)")
+    except InputError as e:
+        if requested != "auto":
+            raise InputError(f"{e}; or use --compute fp32 or bf16") from None
+        warn(f"{e}; --compute auto falls back to a float path without them")
 
 
 def _cached_cost_model_paths(a) -> list:

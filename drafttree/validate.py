@@ -157,7 +157,7 @@ def check_model_dir(name_or_path: str) -> None:
     config = Path(name_or_path) / "config.json"
     if name_or_path in EMBEDDED or not config.is_file():
         return  # embedded, or not a directory: load_target's own message says what is expected
-    if not isinstance(read_json(config, "the model config"), dict):
+    if not isinstance(read_json(config, "the model config", "copy or download the checkpoint again"), dict):
         raise InputError(f"{config}: the model config must be a JSON object")
     for f in sorted(config.parent.glob("*.safetensors")):
         check_safetensors(f, "the model's weights", "copy or download the checkpoint again")

@@ -403,6 +403,18 @@ def test_first_caddtree_run_with_a_read_only_cache_fails_before_profiling(run_cl
                            "profiled once", *([fix] if fix else []))
 
 
+def test_unbuilt_kernels_with_a_read_only_cache(run_cli, monkeypatch, capsys, read_only_dir, model_dir):
+    monkeypatch.setenv("DRAFTTREE_CACHE", str(read_only_dir / "cache"))
+    for compute in ("q4", "int8"):
+        _assert_one_line_error(*run_cli("generate", "hi", "--model", str(model_dir), "--compute", compute),
+                               "the kernel cache", "not writable", "DRAFTTREE_CACHE", "--compute fp32")
+    capsys.readouterr()
+    cli.check_args(cli.build_parser().parse_args(["generate", "hi", "--model", str(model_dir)]))  # auto: a warning
+    err = capsys.readouterr().err
+    assert "warning: the kernel cache" in err and "falls back to a float path" in err, err
+    cli.check_args(cli.build_parser().parse_args(["generate", "hi", "--model", str(model_dir), "--compute", "fp32"]))
+
+
 def test_a_cached_cost_model_needs_no_writable_cache(monkeypatch, tmp_path, model_dir):
     """No false alarm: with this machine's cost model in the cache (or --cost-model given), nothing is written."""
     from drafttree import validate
@@ -411,7 +423,8 @@ def test_a_cached_cost_model_needs_no_writable_cache(monkeypatch, tmp_path, mode
     monkeypatch.setenv("DRAFTTREE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     checked = []
-    monkeypatch.setattr(validate, "check_writable", lambda path, what, **k: checked.append(what))
+    monkeypatch.setattr(validate, "check_writable",
+                        lambda path, what, **k: checked.append(what) if "cost-model" in what else None)
     for compute, name in (("auto", f"model-q4-{cpu_info().int8_isa}-t3.json"), ("fp32", "model-fp32-t3.json")):
         argv = ["generate", "hi", "--method", "caddtree", "--model", str(model_dir), "--compute", compute]
         cli.check_args(cli.build_parser().parse_args(argv))
