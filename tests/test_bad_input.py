@@ -624,3 +624,36 @@ def test_train_data_with_an_empty_or_broken_gsm8k_file(run_cli, tmp_path):
     gsm.write_text('{"question": "1+1?", "answer": "2"}\n{"answer": "3"}\n')
     _assert_one_line_error(*run_cli("train", "data", "--out", "data", "--code", "0", "--gsm8k", str(gsm)),
                            "line 2", "question")
+
+
+# ---- notices go to stderr, never into the generated text --------------------------------------------
+
+
+def test_first_conversion_says_so_on_stderr_and_leaves_nothing_when_it_fails(monkeypatch, tmp_path, capsys):
+    import gguf
+
+    from drafttree.gguf_convert import convert_embedded
+
+    monkeypatch.setenv("DRAFTTREE_CACHE", str(tmp_path / "cache"))
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt  # as if the user pressed Ctrl-C during the conversion
+
+    monkeypatch.setattr(gguf, "GGUFReader", killed)
+    with pytest.raises(KeyboardInterrupt):
+        convert_embedded("smollm2-135m-instruct")
+    out, err = capsys.readouterr()
+    assert out == "" and "converting" in err and "once" in err
+    assert list((tmp_path / "cache").iterdir()) == []  # no half-converted model, no temporary directory
+
+
+def test_profiling_notice_goes_to_stderr(monkeypatch, tmp_path, capsys):
+    from drafttree import methods
+
+    monkeypatch.setenv("DRAFTTREE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("drafttree.profile.profile_costs", lambda *a, **k: VerifyCostModel.from_dict(_cost_model_dict()))
+    target = SimpleNamespace(name="tiny", compute=None, compute_path="fp32")
+    model = methods.load_or_profile_cost_model(target, lambda: None)
+    out, err = capsys.readouterr()
+    assert out == "" and "profiling into" in err and str(methods.cost_model_path(target)) in err
+    assert methods.load_or_profile_cost_model(target, lambda: pytest.fail("profiled twice")).to_dict() == model.to_dict()
