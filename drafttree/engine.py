@@ -19,7 +19,7 @@ from .protocols import Proposer
 from .sampling import SamplingParams, next_token, sampling_probs
 from .stats import GenerationStats
 from .target import Target
-from .validate import check_int, check_token_ids
+from .validate import InputError, check_int, check_token_ids
 from .verify import Acceptance, accept_greedy, accept_sampling
 
 
@@ -48,8 +48,14 @@ class Sequence:
         self.model, self.proposer, self.sampling = model, proposer, sampling
         self.stop_ids = set(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
         self.stats = GenerationStats("ar" if proposer is None else proposer.name, prompt_tokens=self.prompt.numel())
-        slack = 0 if proposer is None else proposer.max_nodes  # scratch rows of one tree
-        self.state = model.new_state(self.prompt.numel() + self.max_new + slack + 1)
+        context = model.config.max_position_embeddings
+        if self.prompt.numel() + self.max_new > context:
+            raise InputError(f"{self.prompt.numel()} prompt tokens + max_new_tokens {self.max_new} exceed the model's "
+                             f"context of {context}: shorten the prompt or ask for fewer tokens")
+        # The last emitted token never enters the cache; a tree needs its scratch rows, and near the end of
+        # the context the trees shrink to the rows left (_round).
+        slack = 0 if proposer is None else proposer.max_nodes
+        self.state = model.new_state(min(self.prompt.numel() + self.max_new + slack, context))
         self.draft_state = None
         self.gen = None if sampling.greedy else sampling.generator()
         self.tokens: list[int] = []
@@ -70,6 +76,7 @@ class Sequence:
     def clock(self) -> float:
         return self._busy + (time.perf_counter() - self._step_t0)
 
+    @torch.no_grad()
     def step(self) -> list[int]:
         """One round; the first prefills. Returns the tokens it emitted ([] once done)."""
         if self.done:
@@ -107,6 +114,8 @@ class Sequence:
             drafted = proposer.draft(self.draft_state, self.root, start)
         with stats.timed("tree_s"):
             tree = proposer.build_tree(self.draft_state, self.root, drafted, start)
+            # nodes whose tokens could not be kept (past max_new_tokens) or stored (past the state) are not verified
+            tree = tree.truncated(self.state.max_len - start, self.max_new - len(self.tokens) - 1)
         with stats.timed("verify_s"):
             res = self.model.verify(self.state, VerifyInput.of_tree(tree, start), capture_layers=layers)
             acc = walk_tree(tree, res.logits, self.sampling, self.gen)

@@ -82,7 +82,8 @@ def make_proposer(method: str, target: Target, drafter=None, budget: int = 16, c
         if cost_model is None:
             cost_model = load_or_profile_cost_model(target, lambda: DFlashProposer(drafter, target.model, ChainPolicy()))
         policy = CostAwarePolicy(cost_model, max_tree_nodes, recalibrate=method == "caddtree-online")
-    return DFlashProposer(drafter, target.model, policy)
+    # caddtree-online adapts to the request: recalibrated trees, and plain rounds where drafting does not pay
+    return DFlashProposer(drafter, target.model, policy, gate=method == "caddtree-online")
 
 
 class Decoder:
@@ -111,6 +112,12 @@ class Decoder:
             if method in COST_AWARE and self.cost_model is None:
                 self.cost_model = self._proposers[method].policy.cost_model  # profiled once for both
         return self._proposers[method]
+
+    def prepare(self, methods=METHODS) -> None:
+        """Build the methods' proposers now (loading the drafter, profiling a cost model on first use),
+        rather than on a first request."""
+        for method in methods:
+            self.proposer(method)
 
     def sequence(self, method: str, prompt_ids, max_new_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
                  stop_token_ids=None) -> Sequence:

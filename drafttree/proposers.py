@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .costmodel import VerifyCostModel, build_caddtree
+from .draft_gate import DraftGate
 from .drafter.model import DraftContext
 from .model.linear import head_rows_source
 from .protocols import Clock
@@ -24,6 +25,9 @@ class _Stateless:
         return None
 
     def record_acceptance(self, state, accepted_draft_nodes: int) -> None:
+        pass
+
+    def interrupt(self, state) -> None:
         pass
 
     def max_depth(self, depth: int) -> int:
@@ -66,6 +70,7 @@ class CalibrationState:
     clock: Clock
     calibrator: RoundCalibrator = field(default_factory=RoundCalibrator)
     last_round: tuple[float, float, float] | None = None  # (build time, modelled ms, Φ) of the round in flight
+    round_t0: float = 0.0  # the clock at the current round's build
 
 
 @dataclass
@@ -96,20 +101,35 @@ class CostAwarePolicy:
     def build(self, state: CalibrationState | None, root: int, logits: torch.Tensor, context_len: int) -> DraftTree:
         if state is None:  # the paper's rule: no bookkeeping on the hot path
             return build_caddtree(root, logits.log_softmax(-1), self.cost_model, context_len, self.max_tree_nodes)[0]
+        overhead, scale = self.round_start(state)
+        tree, sel = build_caddtree(root, logits.log_softmax(-1), self.cost_model, context_len, self.max_tree_nodes,
+                                   overhead, scale)
+        # unscaled: what the drafter itself predicted
+        self.round_built(state, sel, overhead, sum(math.exp(n.path_logprob) for n in sel.nodes))
+        return tree
+
+    def round_start(self, state: CalibrationState) -> tuple[float, float]:
+        """(overhead ms, the drafter's acceptance scale) for the round being built; observes the time since the
+        last build. With round_built, the bookkeeping of `build` for trees built elsewhere (drafttree.lookup)."""
         now, cal = state.clock(), state.calibrator
         if state.last_round is not None:
             # build-to-build = this round's verify + commit + context update + next draft
             cal.observe_time(state.last_round[1], (now - state.last_round[0]) * 1e3)
-        overhead = cal.overhead_ms
-        tree, sel = build_caddtree(root, logits.log_softmax(-1), self.cost_model, context_len, self.max_tree_nodes,
-                                   overhead, cal.accept_scale)
-        phi = sum(math.exp(n.path_logprob) for n in sel.nodes)  # unscaled: what the drafter itself predicted
-        state.last_round = (now, sel.round_ms - overhead, phi)
-        return tree
+        state.round_t0 = now
+        return cal.overhead_ms, cal.accept_scale
+
+    def round_built(self, state: CalibrationState, sel, overhead_ms: float, predicted_phi: float) -> None:
+        """Record the round just selected: its modelled time and the Φ the drafter predicted for its tree."""
+        state.last_round = (state.round_t0, sel.round_ms - overhead_ms, predicted_phi)
 
     def record_acceptance(self, state: CalibrationState | None, accepted_draft_nodes: int) -> None:
         if state is not None and state.last_round is not None:
             state.calibrator.observe_acceptance(state.last_round[2], accepted_draft_nodes)
+
+    def interrupt(self, state: CalibrationState | None) -> None:
+        """Rounds of something else ran since the last build: its build-to-build time is not a round."""
+        if state is not None:
+            state.last_round = None
 
 
 @dataclass
@@ -118,6 +138,11 @@ class DFlashState:
 
     context: DraftContext
     policy: object | None
+    clock: Clock
+    gate: DraftGate | None = None
+    round: list | None = None  # [drafted, start time, tokens committed] of the round in flight (gated only)
+    deferred: list = field(default_factory=list)  # features of plain rounds, added to the context when drafting resumes
+    deferred_start: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -125,10 +150,13 @@ class DFlashState:
 
 
 class DFlashProposer:
-    """Drafts with a DFlash drafter whose per-request context K/V grow only by newly committed tokens."""
+    """Drafts with a DFlash drafter whose per-request context K/V grow only by newly committed tokens.
 
-    def __init__(self, drafter, target_model, policy):
-        self.drafter, self.model, self.policy = drafter, target_model, policy
+    With `gate`, each request also measures plain one-token rounds and drafts only while drafting is
+    the faster choice (drafttree.draft_gate); the drafter catches up on the skipped tokens in one call."""
+
+    def __init__(self, drafter, target_model, policy, gate: bool = False):
+        self.drafter, self.model, self.policy, self.gate = drafter, target_model, policy, gate
         self.capture_layers = tuple(drafter.config.target_layer_ids)
         self.depth = drafter.config.block_size - 1
         self.max_nodes = policy.max_nodes(self.depth)
@@ -140,23 +168,51 @@ class DFlashProposer:
     def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor, clock: Clock = time.perf_counter) -> DFlashState:
         """Drafter prefill: context K/V of the whole prompt."""
         state = DFlashState(self.drafter.new_context(prompt_features.shape[0] + self.drafter.config.block_size + 64),
-                            self.policy.new_state(clock))
+                            self.policy.new_state(clock), clock, DraftGate() if self.gate else None)
         self.drafter.extend_context(state.context, prompt_features, torch.arange(prompt_features.shape[0]))
         return state
 
-    def draft(self, state: DFlashState, root: int, start: int) -> torch.Tensor:
+    def draft(self, state: DFlashState, root: int, start: int) -> torch.Tensor | None:
         """[D, V] drafter logits for positions start+1 .. start+D, D = the deepest node the policy can place
-        (a tree of n nodes is at most n deep): no head rows for depths no tree reaches."""
+        (a tree of n nodes is at most n deep): no head rows for depths no tree reaches. None: the gate
+        chose a plain round (the tree is the root alone)."""
+        if state.gate is not None and not self._gate_drafts(state):
+            self.policy.interrupt(state.policy)
+            return None
+        if state.deferred:
+            feats = torch.cat(state.deferred)
+            self.drafter.extend_context(state.context, feats,
+                                        torch.arange(state.deferred_start, state.deferred_start + feats.shape[0]))
+            state.deferred = []
         block = self.drafter.block_embeds(root, self.model.embed)
         hidden = self.drafter.draft(state.context, block, start)
         return self.drafter.draft_logits(hidden[1:1 + self.draft_depth], self.lm_head)
 
-    def build_tree(self, state: DFlashState, root: int, logits: torch.Tensor, start: int) -> DraftTree:
+    def _gate_drafts(self, state: DFlashState) -> bool:
+        now = state.clock()
+        if state.round is not None:
+            drafted, t0, tokens = state.round
+            state.gate.observe(drafted, tokens, (now - t0) * 1e3)
+        drafted = state.gate.choose()
+        state.round = [drafted, now, 0]
+        return drafted
+
+    def build_tree(self, state: DFlashState, root: int, logits: torch.Tensor | None, start: int) -> DraftTree:
+        if logits is None:
+            return DraftTree.from_parents([root], [-1])
         return self.policy.build(state.policy, root, logits, start)
 
     def advance(self, state: DFlashState, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor,
                 start: int) -> None:
-        """Append the accepted nodes (root first) to the drafter's context."""
+        """Append the accepted nodes (root first) to the drafter's context (after a plain round: later,
+        all such rounds in one call, when drafting resumes)."""
         n = accepted_features.shape[0]
+        if state.round is not None:
+            state.round[2] = n
+            if not state.round[0]:
+                if not state.deferred:
+                    state.deferred_start = start
+                state.deferred.append(accepted_features)
+                return
         self.policy.record_acceptance(state.policy, n - 1)
         self.drafter.extend_context(state.context, accepted_features, torch.arange(start, start + n))

@@ -129,6 +129,18 @@ class DraftTree:
             node = self._parent_list[node]
         return torch.tensor(out[::-1], dtype=torch.long)
 
+    def truncated(self, max_nodes: int, max_depth: int) -> "DraftTree":
+        """The first `max_nodes` nodes (root included) no deeper than `max_depth`: still a tree, since
+        parents precede children and are shallower. Itself when nothing is cut."""
+        keep = (self.depths <= max_depth).nonzero().flatten()[:max(1, max_nodes)]
+        if keep.numel() == self.num_nodes:
+            return self
+        remap = torch.full((self.num_nodes,), -1, dtype=torch.long)
+        remap[keep] = torch.arange(keep.numel())
+        parents = self.parents[keep]
+        parents[1:] = remap[parents[1:]]
+        return DraftTree(self.tokens[keep], parents, self.depths[keep], self.logprobs[keep], self.path_logprobs[keep])
+
     @cached_property
     def ancestor_mask(self) -> torch.Tensor:
         """Bool [n, n]: mask[i, j] is True iff j is i or an ancestor of i (what node i may attend to)."""

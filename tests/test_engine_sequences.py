@@ -61,7 +61,7 @@ def test_state_is_bounded_reported_and_freed(tiny_checkpoint):
     cfg = target.model.config
     proposer = DFlashProposer(random_drafter_for(target.model), target.model, BestFirstPolicy(8))
     seq = Sequence(target, torch.tensor([1, 2, 3]), proposer, max_new_tokens=10)
-    rows = 3 + 10 + 8 + 1  # prompt + new tokens + one tree's scratch rows + the bonus token
+    rows = 3 + 10 + 8  # prompt + new tokens + one tree's scratch rows (the last token never enters the cache)
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * rows * cfg.head_dim * 4
     assert seq.state_bytes == kv  # the drafter's context exists after the first step
     seq.step()
@@ -97,3 +97,33 @@ def test_decoder_makes_sequences_for_every_method(tiny_checkpoint):
     assert dec.proposer("chain") is dec.proposer("chain")  # shared, stateless
     with pytest.raises(ValueError, match="unknown method"):
         dec.sequence("beam", p)
+
+
+def test_trees_shrink_at_the_end_of_the_context(tiny_checkpoint):
+    """prompt + max_new_tokens may fill the whole context: the last rounds verify smaller trees."""
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    context = target.model.config.max_position_embeddings
+    proposer = DFlashProposer(random_drafter_for(target.model), target.model, BestFirstPolicy(16))
+    ids = torch.arange(context - 12) % target.model.config.vocab_size
+    truth = generate_ar(target, ids, max_new_tokens=12, stop_token_ids=()).tokens
+    seq = Sequence(target, ids, proposer, 12, stop_token_ids=())
+    assert seq.state.max_len == context
+    while not seq.done:
+        seq.step()
+    assert seq.tokens == truth and seq.stats.tree_sizes[-1] < 16
+    with pytest.raises(ValueError, match="exceed the model's context"):
+        Sequence(target, ids, None, 13)
+
+
+def test_truncated_tree_is_the_prefix_closed_subtree():
+    from drafttree.tree import random_tree
+
+    tree = random_tree(30, 50, "random", torch.Generator().manual_seed(3))
+    cut = tree.truncated(max_nodes=12, max_depth=3)
+    assert cut.num_nodes <= 12 and int(cut.depths.max()) <= 3
+    kept = [i for i in range(tree.num_nodes) if int(tree.depths[i]) <= 3][:12]
+    assert cut.tokens.tolist() == tree.tokens[kept].tolist()
+    for j, i in enumerate(kept):  # every kept node's path maps onto the cut tree's path
+        assert cut.tokens[cut.path(j)].tolist() == tree.tokens[tree.path(i)].tolist()
+    assert tree.truncated(100, 100) is tree

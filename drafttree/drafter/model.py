@@ -229,7 +229,8 @@ class DFlashDrafter(nn.Module):
         Returns the final-normed hidden states [B, H]; the block's own K/V are written to scratch
         rows after the context and never committed.
         """
-        B = block_embeds.shape[0]
+        B = min(block_embeds.shape[0], self.rotary.cos.shape[0] - start_position)  # no positions past the context
+        block_embeds = block_embeds[:B]
         ctx.ensure_capacity(ctx.length + B)
         pos = torch.arange(start_position, start_position + B, device=block_embeds.device)
         h = block_embeds.to(self.dtype)

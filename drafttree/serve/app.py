@@ -65,16 +65,6 @@ def _json(status: int, body: dict) -> JSONResponse:
     return JSONResponse(P.finite(body), status_code=status)
 
 
-def _reserve(decoder, method: str) -> int:
-    """Rows a Sequence of `method` allocates beyond prompt + max_tokens: one for the pending token and,
-    speculative, the largest draft tree (Proposer.max_nodes); the model's context bounds them all."""
-    get = getattr(decoder, "proposer", None)  # a fake decoder in tests has none
-    if get is None:
-        return 0
-    proposer = get(method)
-    return 1 + (0 if proposer is None else int(proposer.max_nodes))
-
-
 def create_app(target, decoder, *, model_id: str | None = None, methods=None, default_method: str = "caddtree-online",
                api_key: str | None = None, max_concurrency: int = 8, max_waiting: int = 1024,
                max_body_bytes: int = MAX_BODY_BYTES, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
@@ -92,7 +82,8 @@ def create_app(target, decoder, *, model_id: str | None = None, methods=None, de
     # Prompts are encoded one at a time on the thread pool; the worker decodes replies meanwhile without a
     # lock (a fast tokenizer's encode and decode only read it), so a huge prompt never stalls the streams.
     encode_lock = threading.Lock()
-    reserves = {m: _reserve(decoder, m) for m in methods}  # builds every method's proposer now, not on a request
+    if hasattr(decoder, "prepare"):  # a fake decoder in tests has none
+        decoder.prepare(methods)  # every method's proposer now (drafter, cost model), not on a request
     scheduler = Scheduler(decoder, max_concurrency=max_concurrency, max_waiting=max_waiting)
     created = P.now()
 
@@ -178,8 +169,7 @@ def create_app(target, decoder, *, model_id: str | None = None, methods=None, de
     def submit(prompt_ids: list[int], settings: P.Settings, param: str):
         import torch
 
-        max_tokens = P.fit_context(len(prompt_ids), settings.max_tokens, max_context, default_max_tokens, param,
-                                   reserves[settings.method], settings.method)
+        max_tokens = P.fit_context(len(prompt_ids), settings.max_tokens, max_context, default_max_tokens, param)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
         def deliver(event):

@@ -249,24 +249,21 @@ def check_token_prompt(ids: list[int], vocab_size: int) -> list[int]:
     return _checked("prompt", check_token_ids, ids, vocab_size).tolist()
 
 
-def fit_context(prompt_tokens: int, max_tokens: int | None, max_context: int, default_max_tokens: int, param: str,
-                reserve: int = 0, method: str = "") -> int:
-    """max_tokens for this prompt: the request's, or the default cut to the room the prompt leaves.
-
-    `reserve`: rows the decode needs beyond prompt and reply (a speculative round's draft tree is verified
-    in rows after the last committed token), which come out of the same context."""
+def fit_context(prompt_tokens: int, max_tokens: int | None, max_context: int, default_max_tokens: int,
+                param: str) -> int:
+    """max_tokens for this prompt: the request's, or the default cut to the room the prompt leaves (the
+    engine shrinks a draft tree near the end of the context, so prompt + reply may fill it)."""
     if prompt_tokens == 0:
         raise bad_request("the prompt is empty (0 tokens)", param=param, code="invalid_value")
-    room = max_context - reserve - prompt_tokens
+    room = max_context - prompt_tokens
     if max_tokens is None:
         max_tokens = min(default_max_tokens, room)
     if max_tokens < 1 or max_tokens > room:
         asked = max(max_tokens, 1)
-        extra = f" plus {reserve} for {method}'s draft tree" if reserve else ""
         raise bad_request(
             f"This model's maximum context length is {max_context} tokens. However, you requested "
-            f"{prompt_tokens + asked + reserve} tokens ({prompt_tokens} in the {param}, {asked} in the completion"
-            f"{extra}). Please reduce the length of the prompt or of the completion.",
+            f"{prompt_tokens + asked} tokens ({prompt_tokens} in the {param}, {asked} in the completion). "
+            "Please reduce the length of the prompt or of the completion.",
             param=param, code="context_length_exceeded")
     return max_tokens
 

@@ -1,0 +1,51 @@
+"""Draft or not: a per-request choice by measured throughput.
+
+Where the drafter is weak (text unlike its training data), a speculative round costs more than the
+tokens it gains, and plain one-token rounds are faster. The gate measures both choices on the request
+itself — tokens per ms of busy time, with exponential forgetting — plays the faster one and probes the
+other now and then, so a request never runs much slower than its faster choice. Both choices emit the
+target's own tokens, so the gate cannot change a greedy output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DraftGate:
+    forget: float = 0.9  # per round of the same choice: about ten rounds of memory
+    warmup_rounds: int = 6  # rounds of each choice before the gate trusts its rates
+    probe_every: int = 24  # rounds of the faster choice between probes of the other
+    probe_rounds: int = 3
+    _tokens: dict = field(default_factory=lambda: {True: 0.0, False: 0.0})
+    _ms: dict = field(default_factory=lambda: {True: 0.0, False: 0.0})
+    _seen: dict = field(default_factory=lambda: {True: 0, False: 0})
+    _since_probe: int = 0
+    _probing: int = 0
+
+    def rate(self, draft: bool) -> float:
+        """Tokens per ms of this choice so far (forgetting older rounds)."""
+        return self._tokens[draft] / self._ms[draft] if self._ms[draft] > 0 else 0.0
+
+    def observe(self, draft: bool, tokens: int, ms: float) -> None:
+        if ms <= 0:
+            return
+        f = self.forget
+        self._tokens[draft] = f * self._tokens[draft] + tokens
+        self._ms[draft] = f * self._ms[draft] + ms
+        self._seen[draft] += 1
+
+    def choose(self) -> bool:
+        """True: draft this round."""
+        for draft in (True, False):  # first measure both
+            if self._seen[draft] < self.warmup_rounds:
+                return draft
+        best = self.rate(True) >= self.rate(False)
+        if self._probing:
+            self._probing -= 1
+            return not best
+        self._since_probe += 1
+        if self._since_probe >= self.probe_every:  # the other choice's rate may have changed with the text
+            self._since_probe, self._probing = 0, self.probe_rounds - 1
+            return not best
+        return best

@@ -1,0 +1,61 @@
+"""The draft gate: plain rounds where drafting does not pay, chosen by measured throughput — and the
+output stays AR's, token for token, whatever it chooses."""
+import itertools
+
+import torch
+
+from drafttree.draft_gate import DraftGate
+from drafttree.engine import Sequence, generate_ar
+from drafttree.load import load_target
+from drafttree.proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer
+from spec_helpers import random_drafter_for
+from test_speculative import prompts, synthetic_cost_model
+
+
+def run_gate(draft_rate: float, plain_rate: float, rounds: int = 200) -> list[bool]:
+    gate, choices = DraftGate(), []
+    for _ in range(rounds):
+        d = gate.choose()
+        choices.append(d)
+        gate.observe(d, tokens=int(10 * (draft_rate if d else plain_rate)), ms=10.0)
+    return choices
+
+
+def test_gate_plays_the_faster_choice_and_probes_the_other():
+    fast_draft = run_gate(draft_rate=2.5, plain_rate=1.0)
+    fast_plain = run_gate(draft_rate=0.7, plain_rate=1.0)
+    assert sum(fast_draft[20:]) / 180 > 0.85 and sum(fast_plain[20:]) / 180 < 0.15
+    assert 0 < sum(fast_plain[20:])  # still probes drafting: the text may change
+    assert fast_draft[:6] == [True] * 6 and fast_draft[6:12] == [False] * 6  # both measured first
+
+
+class ScriptedGate(DraftGate):
+    """Alternates runs of drafted and plain rounds, to exercise the drafter's catch-up."""
+
+    def __init__(self):
+        super().__init__()
+        self.script = itertools.cycle([True, True, False, False, False, True, False])
+
+    def choose(self) -> bool:
+        return next(self.script)
+
+
+def test_gated_speculation_equals_ar_and_the_drafter_catches_up(tiny_checkpoint, monkeypatch):
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    drafter = random_drafter_for(target.model)
+    monkeypatch.setattr("drafttree.proposers.DraftGate", ScriptedGate)
+    for policy in (BestFirstPolicy(6), CostAwarePolicy(synthetic_cost_model(), 32, recalibrate=True)):
+        gated = DFlashProposer(drafter, target.model, policy, gate=True)
+        for ids in prompts(3, target.model.config.vocab_size, seed=2):
+            truth = generate_ar(target, ids, max_new_tokens=30, stop_token_ids=()).tokens
+            seq = Sequence(target, ids, gated, 30, stop_token_ids=())
+            sizes = []
+            while not seq.done:
+                seq.step()
+                if seq.draft_state is not None and seq.stats.tree_sizes and seq.stats.tree_sizes[-1] > 0:
+                    # after a drafted round the drafter's context holds every committed token
+                    assert seq.draft_state.context.length == seq.state.length and not seq.draft_state.deferred
+                sizes = seq.stats.tree_sizes
+            assert seq.tokens == truth
+            assert 0 in sizes and max(sizes) > 0  # both kinds of rounds ran
