@@ -54,9 +54,12 @@ def load_or_profile_cost_model(target: Target, proposer_factory, quiet: bool = F
     from .costmodel import VerifyCostModel
     from .profile import profile_costs
 
+    from .validate import CACHE_HINT, check_writable
+
     path = cost_model_path(target)
     if path.exists():
         return VerifyCostModel.load(path)
+    check_writable(path.parent, "the cost-model cache", hint=CACHE_HINT)  # before a minute of profiling, not after
     if not quiet:
         print(f"drafttree: no cost model for this machine and compute path yet; profiling into {path} "
               "(about a minute; `drafttree profile` redoes it)", file=sys.stderr)

@@ -403,6 +403,30 @@ def test_first_caddtree_run_with_a_read_only_cache_fails_before_profiling(run_cl
                            "profiled once", *([fix] if fix else []))
 
 
+def test_first_caddtree_run_from_the_python_api_with_a_read_only_cache(monkeypatch, read_only_dir, tiny_checkpoint):
+    from drafttree.load import load_target
+    from drafttree.methods import make_proposer
+    from drafttree.validate import InputError
+    from spec_helpers import random_drafter_for
+
+    monkeypatch.setenv("DRAFTTREE_CACHE", str(read_only_dir / "cache"))
+    target = load_target(str(tiny_checkpoint[0]))
+    with pytest.raises(InputError, match="cost-model cache .* not writable"):
+        make_proposer("caddtree", target, random_drafter_for(target.model))
+
+
+def test_truncated_drafter_from_the_python_api(tmp_path):
+    from drafttree.drafter.checkpoint import load_drafter
+    from drafttree.methods import SHIPPED_DRAFTERS
+    from drafttree.validate import InputError
+
+    src = SHIPPED_DRAFTERS["smollm2-135m-instruct"]
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes()[:100_000])
+    with pytest.raises(InputError, match="unreadable, perhaps truncated"):
+        load_drafter(tmp_path)
+
+
 def test_unbuilt_kernels_with_a_read_only_cache(run_cli, monkeypatch, capsys, read_only_dir, model_dir):
     monkeypatch.setenv("DRAFTTREE_CACHE", str(read_only_dir / "cache"))
     for compute in ("q4", "int8"):

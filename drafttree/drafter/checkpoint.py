@@ -123,8 +123,11 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         files = ["model.safetensors"]
     else:
         raise CheckpointError(f"{path}: no model.safetensors (or model.safetensors.index.json)")
+    from ..validate import check_safetensors
+
     out = {}
     for f in files:
+        check_safetensors(path / f, "the drafter's weights", "copy or train the drafter again")
         with safe_open(str(path / f), framework="pt") as sf:
             for name in sf.keys():
                 out[name] = sf.get_tensor(name)
