@@ -37,7 +37,10 @@ def run_demo(a) -> int:
         same = ("identical to" if ar.tokens == spec.tokens else
                 "different from (bf16 rounds a batched verify differently from one-token steps; "
                 "--dtype float32 matches AR up to fp32 near-ties)")
-        print(f"{m}: τ = {spec.stats.tau:.2f} tokens per target forward, "
+        st = spec.stats
+        gated = (f" ({st.drafted_rounds} of {st.rounds} rounds drafted, τ {st.drafted_tau:.2f} in those; the rest "
+                 "were plain steps, where drafting did not pay)" if st.drafted_rounds < len(st.tree_sizes) else "")
+        print(f"{m}: τ = {spec.stats.tau:.2f} tokens per target forward{gated}, "
               f"{spec.stats.tokens_per_s:.1f} tok/s vs AR {ar.stats.tokens_per_s:.1f} tok/s "
               f"= {spec.stats.tokens_per_s / ar.stats.tokens_per_s:.2f}x speedup; output {same} AR")
     return 0

@@ -25,6 +25,17 @@ class GenerationStats:
         return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
 
     @property
+    def drafted_rounds(self) -> int:
+        """Rounds that verified a drafted tree (the others were plain one-token steps: caddtree-online's gate)."""
+        return sum(1 for n in self.tree_sizes if n > 0)
+
+    @property
+    def drafted_tau(self) -> float:
+        """τ over the drafted rounds only: what the drafter achieves when it is used."""
+        pairs = [a for a, n in zip(self.accept_lengths, self.tree_sizes) if n > 0]
+        return sum(pairs) / max(1, len(pairs))
+
+    @property
     def other_s(self) -> float:
         return max(0.0, self.total_s - self.draft_s - self.tree_s - self.verify_s)
 
@@ -47,10 +58,13 @@ class GenerationStats:
             draft_s=round(self.draft_s, 4), tree_s=round(self.tree_s, 4), verify_s=round(self.verify_s, 4), other_s=round(self.other_s, 4),
             total_s=round(self.total_s, 4),
             mean_tree_size=round(sum(self.tree_sizes) / max(1, len(self.tree_sizes)), 2),
+            drafted_rounds=self.drafted_rounds, drafted_tau=round(self.drafted_tau, 3),
         )
 
     def line(self) -> str:
+        gated = (f" ({self.drafted_rounds} drafted, τ {self.drafted_tau:.2f})"
+                 if self.tree_sizes and self.drafted_rounds < len(self.tree_sizes) else "")
         return (f"[{self.method}] {self.new_tokens} tokens in {self.total_s:.2f}s = {self.tokens_per_s:.1f} tok/s"
-                f" | τ {self.tau:.2f} over {self.rounds} rounds"
+                f" | τ {self.tau:.2f} over {self.rounds} rounds{gated}"
                 f" | draft {self.draft_s:.2f}s tree {self.tree_s:.3f}s verify {self.verify_s:.2f}s other {self.other_s:.2f}s"
                 f" | prefill {self.prefill_s:.2f}s")

@@ -144,7 +144,9 @@ def replay(streams: DraftStreams, policy, cost_model: VerifyCostModel) -> Replay
     while s < len(streams.tokens) - 1:
         ctx = streams.prompt_len + s
         n = min(policy.choose(streams, s, ctx), width)
-        a = streams.accepted(s, n)
+        # as the engine does: nodes whose tokens could not be kept (past the reply's end) are not verified
+        keep = streams.depths[s, :n] <= len(streams.tokens) - s - 2
+        n, a = int(keep.sum()), int(streams.matched_depth[s, :n][keep].max(initial=0))
         policy.observe(a)
         ms += cost_model.round_ms(n, ctx)
         accept.append(a + 1)
