@@ -76,25 +76,34 @@ class Sequence:
     def clock(self) -> float:
         return self._busy + (time.perf_counter() - self._step_t0)
 
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return () if self.proposer is None else self.proposer.capture_layers
+
     @torch.no_grad()
     def step(self) -> list[int]:
         """One round; the first prefills. Returns the tokens it emitted ([] once done)."""
         if self.done:
             return []
-        self._step_t0 = t0 = time.perf_counter()
+        self._step_t0 = time.perf_counter()
         if self.root is None:
-            new = self._prefill()
-        else:
-            new = self._round() if self.proposer is not None else self._ar_step()
-        self._busy += time.perf_counter() - t0
+            return self._end_step(self._prefill())
+        if self.proposer is None:
+            return self._end_step(self._ar_step())
+        batch, tree = self._begin_round()
+        with self.stats.timed("verify_s"):
+            res = self.model.verify(self.state, batch, capture_layers=self.capture_layers)
+        return self._end_step(self._end_round(batch, tree, res))
+
+    def _end_step(self, new: list[int]) -> list[int]:
+        self._busy += time.perf_counter() - self._step_t0
         emitted = self._emit(new)
         if self.done:
             self.close()
         return emitted
 
     def _prefill(self) -> list[int]:
-        layers = () if self.proposer is None else self.proposer.capture_layers
-        pre = self.model.prefill(self.state, self.prompt, capture_layers=layers)
+        pre = self.model.prefill(self.state, self.prompt, capture_layers=self.capture_layers)
         if self.proposer is not None:  # the drafter's prompt pass counts as prefill, and is reported
             self.draft_state = self.proposer.begin(self.prompt, pre.features, self.clock)
         self.stats.prefill_s = time.perf_counter() - self._step_t0
@@ -107,22 +116,34 @@ class Sequence:
         self.stats.verify_s += time.perf_counter() - t0
         return [int(next_token(logits, self.sampling, self.gen))]
 
-    def _round(self) -> list[int]:
-        """Draft a tree, verify it in one target forward, commit the accepted path."""
-        proposer, stats, start, layers = self.proposer, self.stats, self.state.length, self.proposer.capture_layers
+    def _begin_round(self) -> tuple[VerifyInput, object]:
+        """Draft a tree (AR: the root alone) and lay it out for the verify forward."""
+        start = self.state.length
+        if self.proposer is None:
+            return VerifyInput(torch.tensor([self.root]), torch.tensor([start]), torch.tensor([-1]),
+                               torch.ones(1, 1, dtype=torch.bool)), None
+        proposer, stats = self.proposer, self.stats
         with stats.timed("draft_s"):
             drafted = proposer.draft(self.draft_state, self.root, start)
         with stats.timed("tree_s"):
             tree = proposer.build_tree(self.draft_state, self.root, drafted, start)
             # nodes whose tokens could not be kept (past max_new_tokens) or stored (past the state) are not verified
             tree = tree.truncated(self.state.max_len - start, self.max_new - len(self.tokens) - 1)
+        return VerifyInput.of_tree(tree, start), tree
+
+    def _end_round(self, batch: VerifyInput, tree, res) -> list[int]:
+        """Walk the verified tree, commit the accepted path, tell the proposer."""
+        stats, start = self.stats, self.state.length
+        if tree is None:  # AR
+            with stats.timed("verify_s"):
+                self.model.commit(self.state, torch.zeros(1, dtype=torch.long))
+            return [int(next_token(res.logits[-1], self.sampling, self.gen))]
         with stats.timed("verify_s"):
-            res = self.model.verify(self.state, VerifyInput.of_tree(tree, start), capture_layers=layers)
             acc = walk_tree(tree, res.logits, self.sampling, self.gen)
             self.model.commit(self.state, acc.nodes)
         with stats.timed("draft_s"):
-            features = None if layers == () else res.features[acc.nodes]
-            proposer.advance(self.draft_state, tree.tokens[acc.nodes], features, start)
+            features = None if res.features is None else res.features[acc.nodes]
+            self.proposer.advance(self.draft_state, tree.tokens[acc.nodes], features, start)
         stats.rounds += 1
         stats.accept_lengths.append(acc.nodes.numel())
         stats.tree_sizes.append(tree.num_draft_nodes)
@@ -151,6 +172,54 @@ class Sequence:
         self.state = self.draft_state = None
         if self.finish_reason is None:
             self.finish_reason = "cancelled"
+
+
+@torch.no_grad()
+def step_many(seqs: list[Sequence]) -> list[list[int] | Exception]:
+    """One round of each sequence (of one model), their verify forwards run as one batched forward
+    (TargetModel.verify_many: on the batch-invariant paths, each row's result is what it is alone).
+    Per sequence: the tokens it emitted, or the exception its round raised (the others go on)."""
+    out: list = [None] * len(seqs)
+    begun = []
+    for i, seq in enumerate(seqs):
+        if not isinstance(seq, Sequence) or seq.done or seq.root is None:  # finished, its prefill, or not ours: alone
+            out[i] = _attempt(seq.step)
+            continue
+        seq._step_t0 = time.perf_counter()
+        try:
+            begun.append((i, seq, *seq._begin_round()))
+        except Exception as e:
+            out[i] = e
+        seq._busy += time.perf_counter() - seq._step_t0
+    if not begun:
+        return out
+    model = begun[0][1].model
+    t0 = time.perf_counter()
+    try:
+        results = model.verify_many([s.state for _, s, _, _ in begun], [b for _, _, b, _ in begun],
+                                    [s.capture_layers for _, s, _, _ in begun])
+    except Exception:  # find whose batch failed: verify each alone
+        results = [None] * len(begun)
+    shared = time.perf_counter() - t0 if results[0] is not None else 0.0
+    for (i, seq, batch, tree), res in zip(begun, results):
+        seq._step_t0 = time.perf_counter() - shared  # the batched forward counts for each of its sequences
+        seq.stats.verify_s += shared
+        try:
+            if res is None:
+                with seq.stats.timed("verify_s"):
+                    res = model.verify(seq.state, batch, capture_layers=seq.capture_layers)
+            out[i] = seq._end_step(seq._end_round(batch, tree, res))
+        except Exception as e:
+            seq._busy += time.perf_counter() - seq._step_t0
+            out[i] = e
+    return out
+
+
+def _attempt(fn):
+    try:
+        return fn()
+    except Exception as e:
+        return e
 
 
 def run_to_end(seq: Sequence, on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:

@@ -127,3 +127,54 @@ def test_truncated_tree_is_the_prefix_closed_subtree():
     for j, i in enumerate(kept):  # every kept node's path maps onto the cut tree's path
         assert cut.tokens[cut.path(j)].tolist() == tree.tokens[tree.path(i)].tolist()
     assert tree.truncated(100, 100) is tree
+
+
+@pytest.mark.parametrize("compute", ["fp32", "q4"])
+def test_batched_rounds_equal_each_alone(tiny_checkpoint, compute):
+    """step_many verifies several requests' trees in one forward (q4: batched; fp32: one after another);
+    every request gets exactly its own tokens, greedy or seeded sampling, AR and speculative mixed."""
+    from drafttree.engine import step_many
+
+    path, _ = tiny_checkpoint
+    target = load_target(str(path), compute=compute)
+    assert (target.model.attention_kernel is not None) == (compute == "q4")
+    proposers = [None, DFlashProposer(random_drafter_for(target.model), target.model, BestFirstPolicy(8)),
+                 TargetCopyProposer(path, BestFirstPolicy(6), noise=1.0)]
+    ids = prompts(6, target.model.config.vocab_size, seed=6)
+    sampling = [SamplingParams(), SamplingParams(temperature=0.9, seed=3)]
+
+    def make(i, p):
+        return Sequence(target, p, proposers[i % 3], 24, sampling[i % 2], stop_token_ids=())
+
+    alone = []
+    for i, p in enumerate(ids):
+        seq = make(i, p)
+        while not seq.done:
+            seq.step()
+        alone.append(seq.tokens)
+    seqs = [make(i, p) for i, p in enumerate(ids)]
+    while any(not s.done for s in seqs):
+        live = [s for s in seqs if not s.done]
+        for r in step_many(live):
+            assert not isinstance(r, Exception), r
+    assert [s.tokens for s in seqs] == alone
+    assert all(s.state_bytes == 0 for s in seqs)
+
+
+def test_a_failing_round_in_a_batch_fails_alone(tiny_checkpoint, monkeypatch):
+    from drafttree.engine import step_many
+
+    path, _ = tiny_checkpoint
+    target = load_target(str(path), compute="q4")
+    ids = prompts(3, target.model.config.vocab_size, seed=9)
+    truth = [generate_ar(target, p, max_new_tokens=10, stop_token_ids=()).tokens for p in ids]
+    seqs = [Sequence(target, p, None, 10, stop_token_ids=()) for p in ids]
+    step_many(seqs)  # prefills
+    bad = seqs[1]
+    monkeypatch.setattr(bad, "_begin_round", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    out = step_many(seqs)
+    assert isinstance(out[1], RuntimeError) and not isinstance(out[0], Exception)
+    others = [seqs[0], seqs[2]]
+    while any(not s.done for s in others):
+        step_many([s for s in others if not s.done])
+    assert [s.tokens for s in others] == [truth[0], truth[2]]

@@ -67,3 +67,8 @@ class CausalLM(nn.Module):
         """One forward over a draft tree; nothing is committed until `commit(state, path)`."""
         return self.forward(state, batch.tokens, batch.positions, batch.mask, capture_layers, batch.logits_rows,
                             parents=batch.parents)
+
+    def verify_many(self, states: list[ModelState], batches: list[VerifyInput],
+                    capture_layers: list[tuple[int, ...]]) -> list[ForwardOutput]:
+        """`verify` for several requests; models that can batch them into one forward override this."""
+        return [self.verify(s, b, c) for s, b, c in zip(states, batches, capture_layers)]

@@ -18,6 +18,7 @@ from .decoder import CausalLM, ForwardOutput
 from .kv_cache import KVCache, check_room
 from .layers import AttentionMask, RMSNorm, RotaryTable, SwiGLU, apply_rotary, attend
 from .state import ModelState
+from .verify_input import VerifyInput
 
 
 class Attention(nn.Module):
@@ -51,6 +52,16 @@ class Attention(nn.Module):
         return self.o(out.view(self.n_heads, t, d).transpose(0, 1).reshape(t, self.n_heads * d))
 
 
+    def forward_segments(self, x, cos, sin, segments, layer: int) -> torch.Tensor:
+        """Rows of several requests: the projections once over all rows, attention per request against its
+        own cache (segments: (first row, end row, AttentionMask, KVCache)); kernel path only."""
+        qkv = self.qkv(x)
+        outs = [rope_tree_attention(qkv[a:b], cos[a:b], sin[a:b], cache.k[layer], cache.v[layer], mask.past,
+                                    mask.tree, self.n_heads, self.n_kv, mask.kernel_isa, self.q_norm, self.k_norm)
+                for a, b, mask, cache in segments]
+        return self.o(torch.cat(outs))
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -61,6 +72,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache, layer):
         x = x + self.attn(self.input_norm(x), cos, sin, mask, cache, layer)
+        return x + self.mlp(self.post_norm(x))
+
+    def forward_segments(self, x, cos, sin, segments, layer):
+        x = x + self.attn.forward_segments(self.input_norm(x), cos, sin, segments, layer)
         return x + self.mlp(self.post_norm(x))
 
 
@@ -134,6 +149,37 @@ class Transformer(CausalLM):
                 captured[i] = x
         cache.pending = t
         return self._output(x, captured, capture_layers, logits_rows)
+
+    @torch.inference_mode()
+    def verify_many(self, states: list[ModelState], batches: list[VerifyInput],
+                    capture_layers: list[tuple[int, ...]]) -> list[ForwardOutput]:
+        """The draft trees of several requests in one forward: every linear layer and the LM head run once
+        over all their rows, attention per request against its own KV rows. Only on the batch-invariant
+        kernel paths (int8/q4: each row is computed alone, so every request gets exactly the logits of its
+        own verify); elsewhere one verify after another."""
+        if self.attention_kernel is None or len(states) < 2:
+            return super().verify_many(states, batches, capture_layers)
+        sizes = [b.num_nodes for b in batches]
+        ends = torch.tensor(sizes).cumsum(0).tolist()
+        segments = [(e - n, e, self._mask(check_room(st.kv, n), n, b.mask), st.kv)
+                    for st, b, n, e in zip(states, batches, sizes, ends)]
+        cos, sin = self.rope(torch.cat([b.positions for b in batches]), self.dtype)
+        x = self.embed_tokens(torch.cat([b.tokens for b in batches]))
+        wanted = set().union(*capture_layers)
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_segments(x, cos, sin, segments, i)
+            if i in wanted:
+                captured[i] = x
+        rows = [torch.arange(a, b) if batch.logits_rows is None else a + batch.logits_rows
+                for (a, b, _, _), batch in zip(segments, batches)]
+        logits = self.logits(self.norm(x[torch.cat(rows)])).split([r.numel() for r in rows])
+        out = []
+        for st, (a, b, _, _), layers, lg in zip(states, segments, capture_layers, logits):
+            st.kv.pending = b - a
+            feats = torch.cat([captured[i][a:b] for i in layers], dim=-1) if layers else None
+            out.append(ForwardOutput(logits=lg, features=feats))
+        return out
 
     def commit(self, state: ModelState, rows: torch.Tensor) -> None:
         state.kv.commit(rows)

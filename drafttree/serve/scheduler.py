@@ -3,8 +3,8 @@
 torch on a small CPU is fastest with all model work on one thread (its intra-op threads use the cores),
 and drafttree's Sequences may be stepped in any order but only from one thread at a time. So every
 request becomes a `Job`; the worker keeps up to `max_concurrency` of them active and, turn after turn,
-gives each active job one `Sequence.step()` (one speculative round) in the order they were admitted
-(round-robin); the rest wait in FIFO order. After each step the job's new tokens become text (OutputText:
+gives each active job one round (round-robin: `engine.step_many`, which verifies all their draft trees in
+one batched forward where the model allows); the rest wait in FIFO order. After each step the job's new tokens become text (OutputText:
 complete characters, cut at stop strings) and go to the request through `deliver`, which the app makes
 thread-safe with `loop.call_soon_threadsafe`.
 
@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from ..engine import step_many
 from ..sampling import SamplingParams
 from .text import OutputText
 
@@ -131,8 +132,7 @@ class Scheduler:
                     while self._waiting and len(self._active) < self.max_concurrency:
                         self._active.append(self._waiting.popleft())
                     turn = list(self._active)
-                for job in turn:
-                    self._step(job)
+                self._turn(turn)
                 self._refresh()
         with self._cv:
             jobs, self._active = self._active + list(self._waiting), []
@@ -152,24 +152,43 @@ class Scheduler:
         with self._cv:
             self._state_bytes = total
 
-    def _step(self, job: Job) -> None:
-        if job.cancelled:
-            self._end(job, cancelled=True)
+    def _turn(self, jobs: list[Job]) -> None:
+        """One round of every active job; their verify forwards run as one batched forward (step_many)."""
+        ready = []
+        for job in jobs:
+            if job.cancelled:
+                self._end(job, cancelled=True)
+                continue
+            try:
+                if job.seq is None:
+                    job.started = time.perf_counter()
+                    job.seq = self.decoder.sequence(job.method, job.prompt_ids, max_new_tokens=job.max_new_tokens,
+                                                    sampling=job.sampling)
+            except Exception as e:  # this request fails; the others go on
+                self._failed(job, e)
+                continue
+            ready.append(job)
+        if ready:
+            for job, new in zip(ready, step_many([job.seq for job in ready])):
+                self._after_step(job, new)
+
+    def _failed(self, job: Job, e: BaseException) -> None:
+        trace = "".join(traceback.format_exception(e))
+        print(f"drafttree serve: a {job.method} decode failed:\n{trace}", file=sys.stderr)
+        self._end(job, error=f"the decode failed ({type(e).__name__}: {e})")
+
+    def _after_step(self, job: Job, new) -> None:
+        if isinstance(new, Exception):
+            self._failed(job, new)
             return
         try:
-            if job.seq is None:
-                job.started = time.perf_counter()
-                job.seq = self.decoder.sequence(job.method, job.prompt_ids, max_new_tokens=job.max_new_tokens,
-                                                sampling=job.sampling)
-            new = job.seq.step()
             text = job.output.push(new)
             reason = "stop" if job.output.stopped else None
             if reason is None and job.seq.done:
                 text += job.output.finish()
                 reason = "stop" if job.output.stopped else job.seq.finish_reason or "length"
-        except Exception as e:  # this request fails; the others go on
-            print(f"drafttree serve: a {job.method} decode failed:\n{traceback.format_exc()}", file=sys.stderr)
-            self._end(job, error=f"the decode failed ({type(e).__name__}: {e})")
+        except Exception as e:
+            self._failed(job, e)
             return
         if new and job.first_token is None:
             job.first_token = time.perf_counter()

@@ -196,16 +196,16 @@ class FaultyDecoder:
 
     def sequence(self, method, *args, **kwargs):
         seq = self.inner.sequence(method, *args, **kwargs)
-        if method == "chain":
-            step, calls = seq.step, [0]
+        if method == "chain":  # the third step (prefill, then rounds) fails, batched or alone
+            begin, calls = seq._begin_round, [0]
 
             def failing():
                 calls[0] += 1
-                if calls[0] == 3:
+                if calls[0] == 2:
                     raise RuntimeError("injected fault in round 3")
-                return step()
+                return begin()
 
-            seq.step = failing
+            seq._begin_round = failing
         return seq
 
 
