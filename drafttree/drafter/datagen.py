@@ -201,7 +201,21 @@ def check_arguments(a) -> tuple[int, ...]:
     return layers
 
 
+def _engine(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--engine" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--engine="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if _engine(argv) == "anchors":  # labels from existing text: its own options (`--engine anchors --help`)
+        from .anchor_labels import main as anchors_main
+
+        return anchors_main(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -211,8 +225,10 @@ def main(argv=None) -> int:
     ap.add_argument("--code", type=int, default=2000, help="number of stdlib code prompts")
     ap.add_argument("--sharegpt", type=int, default=0, help="number of ShareGPT first turns (training-only package)")
     ap.add_argument("--layers", default="1,7,14,20,27", help="target layer ids whose outputs are captured")
-    ap.add_argument("--engine", choices=("packed", "hf"), default="packed",
-                    help="packed: the lean runtime, prompts packed in one cache; hf: transformers' batched generate")
+    ap.add_argument("--engine", choices=("packed", "hf", "anchors"), default="packed",
+                    help="packed: the lean runtime, prompts packed in one cache; hf: transformers' batched generate; "
+                    "anchors: the target's greedy blocks after anchors of existing text (drafttree.drafter."
+                    "anchor_labels; see `--engine anchors --help`)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-tokens", type=int, default=400, help="longer prompts are skipped")

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from drafttree.atomic import atomic_path, atomic_write_text
 from drafttree.drafter.checkpoint import load_drafter, save_drafter
 from drafttree.drafter.data import FeatureDataset
-from drafttree.drafter.loss import linear_cross_entropy
+from drafttree.drafter.loss import linear_ce_kl, linear_cross_entropy
 from drafttree.drafter.model import DFlashConfig, DFlashDrafter, block_attention_mask
 from drafttree.validate import InputError
 
@@ -56,6 +56,7 @@ class TrainConfig:
     bf16: str = "auto"
     max_context: int | None = None  # clip context to the last N tokens before the anchor (None: all)
     stop_at: int | None = None  # end this run after that step (schedule still spans `steps`): time-sliced jobs
+    soft_target_weight: float = 0.0  # lambda of the top-k sparse KL to the target (anchor-label shards with top-k)
 
 
 # ---- batches ------------------------------------------------------------------------------
@@ -76,6 +77,8 @@ def build_batch(seqs: list[dict], cfg: DFlashConfig, blocks_per_seq: int, gen: t
         # anchor a is useful when the token it first predicts (a+1) is a response token; a >= 1 keeps
         # at least one context token
         cand = torch.nonzero(mask[2:], as_tuple=False).flatten() + 1
+        if "anchors" in s:  # anchor-label shards: their own anchors, each with the target's greedy block
+            cand = s["anchors"][s["anchors"] >= 1]
         if cand.numel():
             picked.append((s, cand[torch.randperm(cand.numel(), generator=gen)[:blocks_per_seq]].sort().values))
     if not picked:
@@ -88,6 +91,8 @@ def build_batch(seqs: list[dict], cfg: DFlashConfig, blocks_per_seq: int, gen: t
     ctx_pos = torch.zeros(S, C, dtype=torch.long)
     anchors = torch.zeros(S, nb, dtype=torch.long)
     masks, labels, weights, tokens = [], [], [], []
+    top_k = max((s["topk_ids"].shape[-1] for s, _ in picked if "topk_ids" in s), default=0)
+    top_ids, top_lps = [], []
     for i, ((s, a), (lo, hi)) in enumerate(zip(picked, spans)):
         ids, lmask = s["input_ids"], s["loss_mask"]
         T, n = ids.shape[0], a.numel()
@@ -105,12 +110,39 @@ def build_batch(seqs: list[dict], cfg: DFlashConfig, blocks_per_seq: int, gen: t
         ok = (tgt < T) & real[:, None]
         tgt = tgt.clamp(max=T - 1)
         ok &= lmask[tgt]
-        labels.append(torch.where(ok, ids[tgt], -1))
+        lab = torch.where(ok, ids[tgt], -1)
+        if "anchors" in s:  # the stored block after each anchor (not the text's next tokens)
+            lab = _stored_blocks(s, "labels", a, B - 1, -1)
+            ok = (lab >= 0) & real[:, None]
+            lab = torch.where(ok, lab, -1)
+        labels.append(lab)
         weights.append(ok.float() * pos_weight)
+        if top_k:  # the target's top-k at each label position; -inf: no soft target there
+            has = "topk_ids" in s
+            top_ids.append(_stored_blocks(s, "topk_ids", a, B - 1, 0, top_k) if has else torch.zeros(nb, B - 1, top_k,
+                                                                                                       dtype=torch.long))
+            lp = _stored_blocks(s, "topk_logprobs", a, B - 1, float("-inf"), top_k) if has else \
+                torch.full((nb, B - 1, top_k), float("-inf"))
+            top_lps.append(lp.masked_fill(~ok[..., None], float("-inf")))
         tokens.append(ids[a])
-    return {"context_features": feats, "context_positions": ctx_pos, "anchor_tokens": torch.stack(tokens),
-            "block_positions": (anchors[..., None] + torch.arange(B)).reshape(S, nb * B),
-            "attn_mask": torch.stack(masks), "labels": torch.cat(labels), "weights": torch.cat(weights)}
+    batch = {"context_features": feats, "context_positions": ctx_pos, "anchor_tokens": torch.stack(tokens),
+             "block_positions": (anchors[..., None] + torch.arange(B)).reshape(S, nb * B),
+             "attn_mask": torch.stack(masks), "labels": torch.cat(labels), "weights": torch.cat(weights)}
+    if top_k:
+        batch["topk_ids"], batch["topk_logprobs"] = torch.cat(top_ids), torch.cat(top_lps)
+    return batch
+
+
+def _stored_blocks(s: dict, key: str, anchors: torch.Tensor, depth: int, fill, width: int | None = None):
+    """s[key] rows of the given anchors (positions in s["anchors"]), cut or padded (with `fill`) to `depth`
+    label positions and, for top-k tensors, to `width` entries."""
+    x = s[key][torch.searchsorted(s["anchors"], anchors)]
+    x = x[:, :depth]
+    pad = [0, 0] * (x.dim() - 2) + [0, depth - x.shape[1]]
+    if width is not None:
+        x = x[..., :width]
+        pad[0:2] = [0, width - x.shape[-1]]
+    return torch.nn.functional.pad(x, pad, value=fill) if any(pad) else x
 
 
 class BlockForward(nn.Module):
@@ -132,21 +164,37 @@ class BlockForward(nn.Module):
         return d(context_features, context_positions, blocks, block_positions, attn_mask)
 
 
-def block_loss(hidden: torch.Tensor, batch: dict, head: torch.Tensor, drafter: DFlashDrafter, chunk_rows: int):
-    """Weighted CE of block rows 1..B-1 (same-position targets). Returns (loss, correct [nb,B-1] bool)."""
+def block_loss(hidden: torch.Tensor, batch: dict, head: torch.Tensor, drafter: DFlashDrafter, chunk_rows: int,
+               soft_weight: float = 0.0):
+    """Weighted CE of block rows 1..B-1 (same-position targets), plus soft_weight x the weighted top-k sparse
+    KL to the target's distribution where the batch has one. Returns (loss, correct [nb,B-1] bool)."""
     B, H = drafter.config.block_size, drafter.config.hidden_size
     rows = hidden.reshape(-1, B, H)[:, 1:].reshape(-1, H)
     labels, weights = batch["labels"].reshape(-1), batch["weights"].reshape(-1)
+    soft = soft_weight > 0 and "topk_ids" in batch
+    if soft:
+        top_ids = batch["topk_ids"].reshape(rows.shape[0], -1)
+        top_lp = batch["topk_logprobs"].reshape(rows.shape[0], -1)
+        soft_w = weights * torch.isfinite(top_lp).any(-1)
+    targets = labels
     if drafter.config.draft_vocab_size:  # targets outside the draft vocabulary cannot be drafted: no loss
         lookup = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long)
         lookup[drafter.draft_vocab] = torch.arange(drafter.draft_vocab.numel())
-        small = torch.where(labels >= 0, lookup[labels.clamp(min=0)], -1)
-        losses, preds = linear_cross_entropy(rows, head, small, chunk_rows)
-        preds = drafter.draft_vocab[preds]
-        weights = weights * (small >= 0)
+        targets = torch.where(labels >= 0, lookup[labels.clamp(min=0)], -1)
+        weights = weights * (targets >= 0)
+        if soft:  # soft targets outside it drop out of the renormalised top-k
+            top_ids = lookup[top_ids]
+            top_lp = top_lp.masked_fill(top_ids < 0, float("-inf"))
+            top_ids = top_ids.clamp(min=0)
+    if soft:
+        losses, kl, preds = linear_ce_kl(rows, head, targets, top_ids, top_lp, chunk_rows)
     else:
-        losses, preds = linear_cross_entropy(rows, head, labels, chunk_rows)
+        losses, preds = linear_cross_entropy(rows, head, targets, chunk_rows)
+    if drafter.config.draft_vocab_size:
+        preds = drafter.draft_vocab[preds]
     loss = (losses * weights).sum() / weights.sum().clamp(min=1e-8)
+    if soft:
+        loss = loss + soft_weight * (kl * soft_w).sum() / soft_w.sum().clamp(min=1e-8)
     correct = (preds == labels).view(batch["labels"].shape)
     return loss, correct
 
@@ -290,6 +338,8 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
     Returns a summary dict (the trained `drafter`, `final` metrics, `sequences_seen` by this rank).
     """
     tc = train_config or TrainConfig()
+    if not (math.isfinite(tc.soft_target_weight) and tc.soft_target_weight >= 0):
+        raise ValueError(f"soft_target_weight must be a finite number >= 0, got {tc.soft_target_weight}")
     out = Path(out_dir)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
@@ -365,7 +415,7 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
                 hidden = model(batch["context_features"].float(), batch["context_positions"], batch["anchor_tokens"],
                                batch["block_positions"], batch["attn_mask"])
-            loss, correct = block_loss(hidden, batch, head, drafter, tc.ce_chunk_rows)
+            loss, correct = block_loss(hidden, batch, head, drafter, tc.ce_chunk_rows, tc.soft_target_weight)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
         opt.step()
