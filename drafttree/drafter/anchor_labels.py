@@ -388,7 +388,8 @@ def ngrams(text: str, n: int = 13) -> set[tuple[str, ...]]:
 
 def evaluation_ngrams(n: int = 13) -> tuple[set, dict]:
     """Word n-grams of every evaluation text (HumanEval prompts and solutions, the GSM8K test sample,
-    both MT-Bench turns), without the instructions this repository adds; and which sets were read."""
+    both MT-Bench turns, and any prompt set drafttree builds itself, `datasets.BUILT_IN`), without the
+    instructions this repository adds; and which sets were read."""
     from ..datasets import SOURCES, _read_lines
 
     grams, checked = set(), {}
@@ -408,6 +409,17 @@ def evaluation_ngrams(n: int = 13) -> tuple[set, dict]:
             for t in texts:
                 grams |= ngrams(t.replace(MATH_INSTRUCTION, "").replace(CODE_INSTRUCTION, ""), n)
         checked[name] = f"{len(rows)} records"
+    from .. import datasets
+
+    for name in getattr(datasets, "BUILT_IN", ()):  # sets drafttree makes itself (e.g. from the stdlib)
+        try:
+            prompts = datasets.load_prompts(name)
+        except Exception as e:  # noqa: BLE001 - an unreadable set is reported, never silently skipped
+            checked[name] = f"not checked: {type(e).__name__}: {e}"
+            continue
+        for t in prompts:
+            grams |= ngrams(t.replace(MATH_INSTRUCTION, "").replace(CODE_INSTRUCTION, ""), n)
+        checked[name] = f"{len(prompts)} prompts"
     return grams, checked
 
 
