@@ -1,4 +1,5 @@
-"""Decoding methods by name: `ar`, `chain`, `ddtree`, `caddtree`, `caddtree-online` — the one place the CLI, the demo,
+"""Decoding methods by name: `ar`, `chain`, `ddtree`, `caddtree`, `caddtree-online`, and with retrieval branches
+(drafttree.lookup) `lookup` (no drafter), `lookup-ddtree`, `lookup-caddtree` — the one place the CLI, the demo,
 the benchmark and the server turn a method name into a generation call."""
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from .gguf_convert import cache_root
 from .sampling import SamplingParams
 from .target import Target
 
-METHODS = ("ar", "chain", "ddtree", "caddtree", "caddtree-online")
-COST_AWARE = ("caddtree", "caddtree-online")  # need the machine's cost model
+METHODS = ("ar", "chain", "ddtree", "caddtree", "caddtree-online", "lookup", "lookup-ddtree", "lookup-caddtree")
+COST_AWARE = ("caddtree", "caddtree-online", "lookup-caddtree")  # need the machine's cost model
+NO_DRAFTER = ("ar", "lookup")  # run without a drafter
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 SHIPPED_DRAFTERS = {"smollm2-135m-instruct": WEIGHTS_DIR / "smollm2-135m-instruct-dflash"}
 
@@ -74,6 +76,15 @@ def make_proposer(method: str, target: Target, drafter=None, budget: int = 16, c
 
     if method not in METHODS or method == "ar":
         raise ValueError(f"unknown speculative method {method!r}: choose from {METHODS[1:]}")
+    if method == "lookup":
+        from .lookup import LookupProposer
+
+        return LookupProposer(budget)
+    if method.startswith("lookup-"):  # the drafter's method, its marginals merged with lookup continuations
+        from .lookup import LookupDFlashProposer
+
+        return LookupDFlashProposer(make_proposer(method.removeprefix("lookup-"), target, drafter, budget, cost_model,
+                                                  max_tree_nodes))
     drafter = drafter if drafter is not None else load_drafter_for(target)
     if method == "chain":
         policy = ChainPolicy()
@@ -110,7 +121,8 @@ class Decoder:
         if method == "ar":
             return None
         if method not in self._proposers:
-            self._proposers[method] = make_proposer(method, self.target, self.drafter, self.budget, self.cost_model,
+            drafter = None if method in NO_DRAFTER else self.drafter
+            self._proposers[method] = make_proposer(method, self.target, drafter, self.budget, self.cost_model,
                                                     self.max_tree_nodes)
             if method in COST_AWARE and self.cost_model is None:
                 self.cost_model = self._proposers[method].policy.cost_model  # profiled once for both
@@ -139,7 +151,7 @@ def generate(method: str, target: Target, prompt_ids, max_new_tokens: int = 256,
 
 def generate_with(method: str, target: Target, prompt_ids, args, on_tokens=None) -> GenerationResult:
     """CLI glue: method options from parsed arguments."""
-    drafter = load_drafter_for(target, getattr(args, "drafter", None))
+    drafter = None if method in NO_DRAFTER else load_drafter_for(target, getattr(args, "drafter", None))
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     return generate(method, target, prompt_ids, args.max_new_tokens, sampling, on_tokens=on_tokens, drafter=drafter,
                     budget=getattr(args, "budget", 16))

@@ -83,3 +83,35 @@ def test_speculative_sampling_matches_target(small_vocab_target, params, policy)
     assert deep > SAMPLES // 10  # drafts were accepted often, so deep tree sampling is exercised
     assert chi2_pvalue(first, p1) > 1e-3
     assert chi2_pvalue(pairs, joint) > 1e-3
+
+
+LOOKUP_SAMPLES = 5_000  # sample-and-match is lossless for any tree: this checks the lookup's plumbing
+
+
+def test_lookup_sampling_matches_target(small_vocab_target):
+    """lookup-ddtree: the drafter's marginals and lookup continuations in one tree. The prompt ends with the
+    target's own greedy chain, so the lookup finds the sampled first token there and proposes what followed."""
+    from drafttree.engine import generate_ar
+    from drafttree.lookup import LookupDFlashProposer
+    from drafttree.proposers import DFlashProposer
+    from spec_helpers import random_drafter_for
+
+    path, hf = small_vocab_target
+    target = load_target(str(path))
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+    base = torch.tensor([3, 17, 5, 9])
+    prompt = torch.cat([base, torch.tensor(generate_ar(target, base, 16, stop_token_ids=()).tokens)])
+    p1, joint = exact_pair_distribution(hf, prompt, params)
+    proposer = LookupDFlashProposer(DFlashProposer(random_drafter_for(target.model), target.model, BestFirstPolicy(6)))
+    first, pairs = torch.zeros(VOCAB), torch.zeros(VOCAB, VOCAB)
+    deep = 0
+    for i in range(LOOKUP_SAMPLES):
+        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=i)
+        res = generate_speculative(target, prompt, proposer, max_new_tokens=3, sampling=sp, stop_token_ids=())
+        t1, t2, t3 = res.tokens
+        first[t1] += 1
+        pairs[t2, t3] += 1
+        deep += res.stats.accept_lengths[0] > 1
+    assert deep > LOOKUP_SAMPLES // 10
+    assert chi2_pvalue(first, p1) > 1e-3
+    assert chi2_pvalue(pairs, joint) > 1e-3

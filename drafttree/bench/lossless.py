@@ -25,9 +25,9 @@ from ..atomic import atomic_write_text
 from ..compute import add_compute_argument, compute_of
 from ..datasets import load_prompts
 from ..engine import generate_ar
-from ..methods import COST_AWARE, METHODS, generate, make_proposer
+from ..methods import COST_AWARE, METHODS, NO_DRAFTER, generate, make_proposer
 from ..validate import InputError, check_positive_int
-from .methods import parse_datasets
+from .methods import BUDGETED, parse_datasets
 
 NEAR_TIE = 1e-4  # logit units: fp32 rounding differences between one-token and batched forwards are ~1e-5
 
@@ -63,13 +63,13 @@ def divergence_gap(target, prompt_ids: torch.Tensor, ar_tokens: list[int], other
 
 
 def method_label(method: str, budget: int) -> str:
-    return f"ddtree-{budget}" if method == "ddtree" else method
+    return f"{method}-{budget}" if method in BUDGETED else method
 
 
 def check(target, methods, prompts_by_set: dict, max_new_tokens: int = 256, drafter=None, cost_model=None,
           progress: bool = True, records=None, budget: int = 16) -> dict:
     """`records`: an open text file that gets one JSON line per prompt as it finishes (survives a kill).
-    `budget`: ddtree's node budget (its rows are named ddtree-<budget>)."""
+    `budget`: the node budget of ddtree and lookup-ddtree (their rows are named ddtree-<budget>, ...)."""
     stops = set(target.stop_token_ids)
     proposers = {m: make_proposer(m, target, drafter=drafter, budget=budget, cost_model=cost_model) for m in methods}
     results = {}
@@ -133,7 +133,7 @@ def add_arguments(p) -> None:
     p.add_argument("--datasets", default="gsm8k,humaneval,mtbench")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each set (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--budget", type=int, default=16, help="ddtree's node budget")
+    p.add_argument("--budget", type=int, default=16, help="node budget of ddtree and lookup-ddtree")
     add_compute_argument(p, default="fp32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -159,7 +159,7 @@ def run(a) -> int:
     if not any(prompts.values()):
         raise InputError(f"no prompts to check in --datasets {a.datasets!r}")
     target = load_target(a.model, compute=compute_of(a), threads=a.threads)
-    drafter = load_drafter_for(target, a.drafter)
+    drafter = None if all(m in NO_DRAFTER for m in methods) else load_drafter_for(target, a.drafter)
     cost_model = None
     if any(m in COST_AWARE for m in methods):
         cost_model = load_or_profile_cost_model(target, lambda: DFlashProposer(drafter, target.model, ChainPolicy()))

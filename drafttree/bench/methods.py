@@ -31,12 +31,15 @@ import torch
 
 from ..atomic import atomic_path, atomic_write_text
 from ..compute import add_compute_argument, compute_of
-from ..methods import COST_AWARE, METHODS, generate, make_proposer
+from ..methods import COST_AWARE, METHODS, NO_DRAFTER, generate, make_proposer
 from ..sampling import SamplingParams
 from ..validate import InputError, check_positive_int
 
-DATASETS = ("humaneval", "gsm8k", "mtbench")
+DATASETS = ("humaneval", "gsm8k", "mtbench", "copy")  # every prompt set a run may name (datasets.PROMPT_SETS)
+DEFAULT_DATASETS = ("humaneval", "gsm8k", "mtbench")  # what a run without --datasets measures
 DEFAULT_OUT = "runs/bench-methods"
+BUDGETED = ("ddtree", "lookup-ddtree")  # run once per --budgets entry
+POINT_MARKERS = {"chain": "^", "caddtree": "*", "caddtree-online": "P", "lookup": "v", "lookup-caddtree": "X"}
 
 
 # ---- method variants -------------------------------------------------------------------------
@@ -44,7 +47,7 @@ DEFAULT_OUT = "runs/bench-methods"
 
 @dataclass(frozen=True)
 class Variant:
-    """One measured configuration: a method and, for ddtree, its budget."""
+    """One measured configuration: a method and, for ddtree and lookup-ddtree, its budget."""
 
     method: str
     budget: int | None = None
@@ -64,13 +67,14 @@ def parse_datasets(text: str) -> list[str]:
 
 
 def parse_variants(methods, budgets) -> list[Variant]:
-    """`ar` first (always: it is the reference), then the others in the order given; ddtree once per budget."""
+    """`ar` first (always: it is the reference), then the others in the order given; ddtree (and lookup-ddtree)
+    once per budget."""
     methods = [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
     budgets = [int(b) for b in (budgets.split(",") if isinstance(budgets, str) else budgets) if str(b).strip()]
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}: choose from {', '.join(METHODS)}")
-    if "ddtree" in methods and not budgets:
+    if any(m in BUDGETED for m in methods) and not budgets:
         raise ValueError("ddtree needs at least one budget (--budgets 4,8,16)")
     if any(b < 1 for b in budgets):
         raise ValueError(f"budgets must be >= 1, got {budgets}")
@@ -78,8 +82,8 @@ def parse_variants(methods, budgets) -> list[Variant]:
     for m in dict.fromkeys(methods):  # de-duplicated, order kept
         if m == "ar":
             continue
-        if m == "ddtree":
-            variants += [Variant("ddtree", b) for b in dict.fromkeys(budgets)]
+        if m in BUDGETED:
+            variants += [Variant(m, b) for b in dict.fromkeys(budgets)]
         else:
             variants.append(Variant(m))
     return variants
@@ -333,7 +337,8 @@ def _figure(w=7.0, h=4.5):
 
 
 def plot_vs_budget(results: dict, key: str, ylabel: str, path: Path) -> None:
-    """One line per dataset (and the mean) over ddtree budgets; CaDDTree and chain as points at their mean tree size."""
+    """One line per dataset (and the mean) over ddtree budgets (lookup-ddtree dashed); CaDDTree, chain and lookup
+    as points at their mean tree size."""
     fig = _figure(10.0, 4.8)
     ax = fig.add_subplot(1, 1, 1)
     series = dict(results["aggregates"])
@@ -341,14 +346,15 @@ def plot_vs_budget(results: dict, key: str, ylabel: str, path: Path) -> None:
         series["mean"] = results["mean_over_datasets"]
     for i, (ds, rows) in enumerate(series.items()):
         color = "black" if ds == "mean" else f"C{i % 10}"
-        dd = sorted((r["budget"], r[key]) for r in rows.values() if r["kind"] == "ddtree" and r[key] is not None)
-        if dd:
-            ax.plot([b for b, _ in dd], [y for _, y in dd], "o-", color=color, label=f"{ds}: ddtree",
-                    lw=2 if ds == "mean" else 1.2)
+        for kind, style in (("ddtree", "o-"), ("lookup-ddtree", "s--")):
+            dd = sorted((r["budget"], r[key]) for r in rows.values() if r["kind"] == kind and r[key] is not None)
+            if dd:
+                ax.plot([b for b, _ in dd], [y for _, y in dd], style, color=color, label=f"{ds}: {kind}",
+                        lw=2 if ds == "mean" else 1.2)
         for r in rows.values():
-            if r["kind"] in ("chain", *COST_AWARE) and r[key] is not None and r["mean_tree_size"]:
-                marker = {"caddtree": "*", "caddtree-online": "P"}.get(r["kind"], "^")
-                ax.scatter([r["mean_tree_size"]], [r[key]], marker=marker, s=60 if marker == "^" else 160, color=color,
+            if r["kind"] in POINT_MARKERS and r[key] is not None and r["mean_tree_size"]:
+                marker = POINT_MARKERS[r["kind"]]
+                ax.scatter([r["mean_tree_size"]], [r[key]], marker=marker, s=60 if marker in "^v" else 160, color=color,
                            edgecolor="black", zorder=5, label=f"{ds}: {r['kind']} (mean tree {r['mean_tree_size']:.1f})")
         if key == "tokens_per_s" and "ar" in rows and rows["ar"][key]:
             ax.axhline(rows["ar"][key], color=color, ls=":", lw=1, label=f"{ds}: ar")
@@ -421,7 +427,7 @@ def write_outputs(results: dict, out: Path, log=print) -> list[Path]:
     atomic_write_text(written[0], json.dumps(results, indent=1))
     atomic_write_text(written[1], markdown_report(results))
     kinds = {r["kind"] for r in results["mean_over_datasets"].values()}
-    if kinds & {"ddtree", "chain", *COST_AWARE}:
+    if kinds & {*BUDGETED, *POINT_MARKERS}:
         for key, label, name in (("tau", "τ (mean acceptance length)", "tau_vs_budget.png"),
                                  ("tokens_per_s", "tokens/s (decode)", "tokens_per_s_vs_budget.png"),
                                  ("speedup", "speedup over AR", "speedup_vs_budget.png")):
@@ -446,12 +452,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma list of {', '.join(METHODS)} (ar always runs: it is the reference)")
     p.add_argument("--budgets", "--budget", dest="budgets", default="16",
-                   help="ddtree node budgets, comma list (e.g. 4,8,16,32,64,128)")
+                   help="ddtree (and lookup-ddtree) node budgets, comma list (e.g. 4,8,16,32,64,128)")
     p.add_argument("--max-tree-nodes", type=int, default=128, help="caddtree's tree-size cap")
     p.add_argument("--cost-model", default=None,
                    help="caddtree's cost model JSON (default: this machine's cached one, profiled on first use)")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the one shipped for the model)")
-    p.add_argument("--datasets", default=",".join(DATASETS), help=f"comma list of {', '.join(DATASETS)}")
+    p.add_argument("--datasets", "--sets", dest="datasets", default=",".join(DEFAULT_DATASETS),
+                   help=f"comma list of {', '.join(DATASETS)} (default: {','.join(DEFAULT_DATASETS)})")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (and the lossless check against AR)")
@@ -491,7 +498,7 @@ def run(args) -> int:
     prompts = {d: load_prompts(d, args.limit) for d in datasets}
 
     target = load_target(args.model, compute=compute_of(args), threads=args.threads)
-    speculative = [v for v in variants if v.method != "ar"]
+    speculative = [v for v in variants if v.method not in NO_DRAFTER]  # `lookup` runs without one
     drafter = load_drafter_for(target, args.drafter) if speculative else None
     cost_model, cost_model_src = None, None
     if any(v.method in COST_AWARE for v in variants):

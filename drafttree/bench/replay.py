@@ -6,7 +6,10 @@ best-first node stream, and the first n nodes of that stream accept the deepest 
 matches AR's continuation. Recorded once per position, this replays any policy exactly (fixed budget
 or CaDDTree's selection, the shipped code): τ is exact and time comes from the cost model, so a
 policy's quality is measured without the wall-clock noise that dominates `drafttree bench` on small
-machines. What replay cannot see: costs the model misses (read them off `drafttree bench`).
+machines. What replay cannot see: costs the model misses (read them off `drafttree bench`), and the lookup
+methods (drafttree.lookup): their trees also hold continuations found in the request's own text, weighed by a
+calibration that follows the rounds the policy chose, which a recorded drafter stream does not hold (compare
+them with `drafttree bench`).
 """
 from __future__ import annotations
 
