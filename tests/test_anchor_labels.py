@@ -9,14 +9,14 @@ import torch
 
 from drafttree.drafter.anchor_labels import (anchor_blocks, anchor_positions, chat_ids, contaminated,
                                              gsm8k_dialogues, ngrams)
-from drafttree.drafter.data import AnchorShardWriter, FeatureDataset, FeatureShardWriter
+from drafttree.drafter.data import AnchorShardWriter, FeatureDataset
 from drafttree.drafter.loss import linear_ce_kl
 from drafttree.drafter.model import DFlashDrafter
 from drafttree.drafter.train import TrainConfig, block_loss, build_batch, train_drafter
 from drafttree.engine import generate_ar
 from drafttree.load import load_target
 
-from test_drafter_train import H, LAYER_IDS, V, synthetic, tiny_cfg
+from test_drafter_train import LAYER_IDS, V, synthetic, tiny_cfg
 
 
 @pytest.mark.parametrize("follow_text", [True, False])
@@ -141,7 +141,8 @@ def _anchor_shard(tmp_path, top_k=3, n_seq=12, T=40, depth=3):
         lab[0, -1] = -1  # as after a stop token
         ids = lp = None
         if top_k:
-            ids = torch.stack([lab.clamp(min=0)] + [torch.randint(0, V, lab.shape, generator=g) for _ in range(top_k - 1)], -1)
+            others = [torch.randint(0, V, lab.shape, generator=g) for _ in range(top_k - 1)]
+            ids = torch.stack([lab.clamp(min=0)] + others, -1)
             lp = torch.log_softmax(torch.tensor([3.0] + [0.0] * (top_k - 1)), 0).expand(*lab.shape, top_k).clone()
             lp[0, -1] = float("-inf")
         w.add(AnchorBlocks(s["input_ids"], s["features"].float(), anc, lab, ids, lp), s["loss_mask"])
