@@ -53,7 +53,7 @@ class Sequence:
             raise InputError(f"{self.prompt.numel()} prompt tokens + max_new_tokens {self.max_new} exceed the model's "
                              f"context of {context}: shorten the prompt or ask for fewer tokens")
         # The last emitted token never enters the cache; a tree needs its scratch rows, and near the end of
-        # the context the trees shrink to the rows left (_round).
+        # the context the trees shrink to the rows left (_begin_round).
         slack = 0 if proposer is None else proposer.max_nodes
         self.state = model.new_state(min(self.prompt.numel() + self.max_new + slack, context))
         self.draft_state = None
