@@ -51,19 +51,22 @@ def check_serve_args(a) -> None:
 def available_methods(decoder, default: str) -> tuple[str, ...]:
     """Every method whose proposer can be built here, built now (the drafter loads once; the cost-aware
     methods share one cost model, profiled once per machine), so no request pays for it. Without a drafter
-    for the model only "ar" is served, unless the default method needs one: then that is the error."""
+    for the model only the methods that need none are served ("ar", "lookup"), unless the default method
+    needs one: then that is the error."""
     from ..methods import METHODS
 
-    methods = ["ar"]
+    methods, missing = ["ar"], None
     for m in METHODS[1:]:
         try:
             decoder.proposer(m)
         except FileNotFoundError as e:
-            if default != "ar":
+            if m == default:
                 raise
-            print(f"drafttree serve: only method ar: {e}", file=sys.stderr)
-            break
+            missing = e
+            continue
         methods.append(m)
+    if missing is not None:
+        print(f"drafttree serve: only methods {', '.join(methods)}: {missing}", file=sys.stderr)
     return tuple(methods)
 
 
