@@ -128,6 +128,17 @@ def check_text(name: str, text: str) -> str:
     return text
 
 
+def parse_layer_ids(text: str, option: str = "--layers") -> tuple[int, ...]:
+    """Comma-separated distinct target layer ids >= 0, as the data generators take them."""
+    try:
+        layers = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise InputError(f"{option} must be comma-separated target layer ids, got {text!r}") from None
+    if not layers or min(layers) < 0 or len(set(layers)) != len(layers):
+        raise InputError(f"{option} must be distinct target layer ids >= 0, got {text!r}")
+    return layers
+
+
 def check_threads(n) -> int | None:
     """None means all cores; more threads than cores only makes them wait for each other."""
     if n is None:

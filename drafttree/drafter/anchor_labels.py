@@ -36,7 +36,7 @@ import torch
 
 from ..atomic import atomic_write_text
 from ..datasets import CODE_INSTRUCTION, MATH_INSTRUCTION
-from ..validate import InputError
+from ..validate import InputError, parse_layer_ids
 
 GENERATOR = "anchor-blocks"
 
@@ -450,12 +450,7 @@ def check_arguments(a) -> tuple[int, ...]:
     from ..validate import MAX_BLOCK_SIZE
 
     check_int("--block-size", a.block_size, 2, MAX_BLOCK_SIZE)
-    try:
-        layers = tuple(int(x) for x in a.layers.split(",") if x.strip())
-    except ValueError:
-        raise InputError(f"--layers must be comma-separated target layer ids, got {a.layers!r}") from None
-    if not layers or min(layers) < 0 or len(set(layers)) != len(layers):
-        raise InputError(f"--layers must be distinct target layer ids >= 0, got {a.layers!r}")
+    layers = parse_layer_ids(a.layers)
     check_threads(a.threads)
     if a.gsm8k:
         from .datagen import gsm8k_train_prompts

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ..atomic import atomic_write_text
-from ..validate import InputError
+from ..validate import InputError, parse_layer_ids
 from ..datasets import CODE_INSTRUCTION, MATH_INSTRUCTION
 from ..sampling import SamplingParams, next_token
 from .data import FeatureShardWriter
@@ -196,12 +196,7 @@ def check_arguments(a) -> tuple[int, ...]:
             check_int("--" + name.replace("_", "-"), getattr(a, name), minimum=1)
     if not 0.0 <= check_finite("--sampled-fraction", a.sampled_fraction) <= 1.0:
         raise InputError(f"--sampled-fraction must be in [0, 1], got {a.sampled_fraction}")
-    try:
-        layers = tuple(int(x) for x in a.layers.split(",") if x.strip())
-    except ValueError:
-        raise InputError(f"--layers must be comma-separated target layer ids, got {a.layers!r}") from None
-    if not layers or min(layers) < 0 or len(set(layers)) != len(layers):
-        raise InputError(f"--layers must be distinct target layer ids >= 0, got {a.layers!r}")
+    layers = parse_layer_ids(a.layers)
     check_threads(a.threads)
     if a.gsm8k and not Path(a.gsm8k).is_file():
         gsm8k_train_prompts(a.gsm8k)  # its message says what the file should be
