@@ -364,7 +364,8 @@ class CaddSelection(NamedTuple):
 
 
 def caddtree_select(node_stream: Iterable[TreeNode], cost_model: VerifyCostModel, context_len: int,
-                    max_nodes: int, overhead_ms: float = 0.0, accept_scale: float = 1.0) -> CaddSelection:
+                    max_nodes: int, overhead_ms: float = 0.0, accept_scale: float = 1.0,
+                    node_ms: float = 0.0) -> CaddSelection:
     """Add nodes in best-first order while modelled throughput (1 + Φ) / (C_d + C_v) improves.
 
     Node n+1 with path probability p joins iff (1 + Φ + p)/C(n+1) > (1 + Φ)/C(n), i.e.
@@ -372,6 +373,8 @@ def caddtree_select(node_stream: Iterable[TreeNode], cost_model: VerifyCostModel
     when C_v is convex and p non-increasing). Zero nodes is a valid answer (verify the root only).
     `overhead_ms` adds a per-round cost the profile does not see; `accept_scale` multiplies every path
     probability (capped at 1): both come from online recalibration (see proposers.CostAwarePolicy).
+    `node_ms` adds a cost per draft node that building the tree itself pays (Weaver's expansion calls,
+    amortised over its width: drafttree.weaver); linear in n, so the round cost stays convex.
     """
     if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 0:
         raise ValueError(f"max_nodes must be an int >= 0, got {max_nodes!r}")
@@ -385,7 +388,7 @@ def caddtree_select(node_stream: Iterable[TreeNode], cost_model: VerifyCostModel
     chosen: list[TreeNode] = []
     for node in islice(node_stream, max_nodes):
         p = min(1.0, accept_scale * math.exp(node.path_logprob))
-        next_cost = draft + curve(len(chosen) + 2)  # len(chosen)+1 nodes -> +1 root token
+        next_cost = draft + curve(len(chosen) + 2) + node_ms * (len(chosen) + 1)  # len(chosen)+1 nodes -> +1 root token
         if (gain + p) * cost <= gain * next_cost:  # cross-multiplied ratio test, no division
             break
         chosen.append(node)
@@ -395,17 +398,20 @@ def caddtree_select(node_stream: Iterable[TreeNode], cost_model: VerifyCostModel
 
 
 def caddtree_select_reference(path_probs: Sequence[float], cost_model: VerifyCostModel,
-                              context_len: int, max_nodes: int, overhead_ms: float = 0.0, accept_scale: float = 1.0) -> int:
+                              context_len: int, max_nodes: int, overhead_ms: float = 0.0, accept_scale: float = 1.0,
+                              node_ms: float = 0.0) -> int:
     """Brute force: the n in 0..max_nodes maximising (1 + Σ_{i<n} p_i) / (C_d + C_v(n)), first max."""
     probs = np.minimum(1.0, accept_scale * np.asarray(list(path_probs)[:max_nodes], dtype=float))
     phi = np.concatenate([[0.0], np.cumsum(probs)])
-    cost = np.array([cost_model.round_ms(n, context_len) + overhead_ms for n in range(len(probs) + 1)])
+    cost = np.array([cost_model.round_ms(n, context_len) + overhead_ms + node_ms * n for n in range(len(probs) + 1)])
     return int(np.argmax((1 + phi) / cost))
 
 
 def build_caddtree(root_token: int, marginal_logprobs, cost_model: VerifyCostModel, context_len: int,
-                   max_nodes: int = 1024, overhead_ms: float = 0.0, accept_scale: float = 1.0) -> tuple[DraftTree, CaddSelection]:
-    """Convenience: best-first stream -> CaDDTree selection -> DraftTree (root-only if nothing pays)."""
-    nodes = iter(()) if max_nodes == 0 else best_first_nodes(marginal_logprobs, max_nodes)
+                   max_nodes: int = 1024, overhead_ms: float = 0.0, accept_scale: float = 1.0,
+                   token_ids: torch.Tensor | None = None) -> tuple[DraftTree, CaddSelection]:
+    """Convenience: best-first stream -> CaDDTree selection -> DraftTree (root-only if nothing pays).
+    token_ids: the target id of each marginal column (a reduced draft vocabulary), or None."""
+    nodes = iter(()) if max_nodes == 0 else best_first_nodes(marginal_logprobs, max_nodes, token_ids)
     sel = caddtree_select(nodes, cost_model, context_len, max_nodes, overhead_ms, accept_scale)
     return DraftTree.from_nodes(root_token, sel.nodes), sel

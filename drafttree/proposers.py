@@ -45,8 +45,9 @@ class ChainPolicy(_Stateless):
     def max_nodes(self, depth: int) -> int:
         return depth
 
-    def build(self, state, root: int, logits: torch.Tensor, context_len: int) -> DraftTree:
-        return build_chain_tree(root, logits.argmax(-1))
+    def build(self, state, root: int, logits: torch.Tensor, context_len: int, token_ids=None) -> DraftTree:
+        best = logits.argmax(-1)
+        return build_chain_tree(root, best if token_ids is None else token_ids[best])
 
 
 @dataclass
@@ -59,8 +60,8 @@ class BestFirstPolicy(_Stateless):
     def max_nodes(self, depth: int) -> int:
         return self.budget
 
-    def build(self, state, root: int, logits: torch.Tensor, context_len: int) -> DraftTree:
-        return build_best_first_tree(root, logits.log_softmax(-1), self.budget)
+    def build(self, state, root: int, logits: torch.Tensor, context_len: int, token_ids=None) -> DraftTree:
+        return build_best_first_tree(root, logits.log_softmax(-1), self.budget, token_ids)
 
 
 @dataclass
@@ -98,12 +99,14 @@ class CostAwarePolicy:
     def max_depth(self, depth: int) -> int:
         return min(depth, self.max_tree_nodes, self.max_tree_depth)
 
-    def build(self, state: CalibrationState | None, root: int, logits: torch.Tensor, context_len: int) -> DraftTree:
+    def build(self, state: CalibrationState | None, root: int, logits: torch.Tensor, context_len: int,
+              token_ids=None) -> DraftTree:
         if state is None:  # the paper's rule: no bookkeeping on the hot path
-            return build_caddtree(root, logits.log_softmax(-1), self.cost_model, context_len, self.max_tree_nodes)[0]
+            return build_caddtree(root, logits.log_softmax(-1), self.cost_model, context_len, self.max_tree_nodes,
+                                  token_ids=token_ids)[0]
         overhead, scale = self.round_start(state)
         tree, sel = build_caddtree(root, logits.log_softmax(-1), self.cost_model, context_len, self.max_tree_nodes,
-                                   overhead, scale)
+                                   overhead, scale, token_ids)
         # unscaled: what the drafter itself predicted
         self.round_built(state, sel, overhead, sum(math.exp(n.path_logprob) for n in sel.nodes))
         return tree
@@ -164,6 +167,7 @@ class DFlashProposer:
         self.name = policy.name
         # A reduced draft vocabulary needs the head's rows; otherwise the target's own head (its path) is used.
         self.lm_head = head_rows_source(target_model) if drafter.config.draft_vocab_size else target_model.logits
+        self.draft_token_ids = drafter.draft_token_ids  # [Vd] target id per marginal column, or None (all ids)
 
     def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor, clock: Clock = time.perf_counter) -> DFlashState:
         """Drafter prefill: context K/V of the whole prompt."""
@@ -173,9 +177,10 @@ class DFlashProposer:
         return state
 
     def draft(self, state: DFlashState, root: int, start: int) -> torch.Tensor | None:
-        """[D, V] drafter logits for positions start+1 .. start+D, D = the deepest node the policy can place
-        (a tree of n nodes is at most n deep): no head rows for depths no tree reaches. None: the gate
-        chose a plain round (the tree is the root alone)."""
+        """[D, Vd] drafter logits for positions start+1 .. start+D over the draft vocabulary (column j is
+        token `draft_token_ids[j]`), D = the deepest node the policy can place (a tree of n nodes is at
+        most n deep): no head rows for depths no tree reaches. None: the gate chose a plain round (the
+        tree is the root alone)."""
         if state.gate is not None and not self._gate_drafts(state):
             self.policy.interrupt(state.policy)
             return None
@@ -186,7 +191,7 @@ class DFlashProposer:
             state.deferred = []
         block = self.drafter.block_embeds(root, self.model.embed)
         hidden = self.drafter.draft(state.context, block, start)
-        return self.drafter.draft_logits(hidden[1:1 + self.draft_depth], self.lm_head)
+        return self.drafter.draft_scores(hidden[1:1 + self.draft_depth], self.lm_head)
 
     def _gate_drafts(self, state: DFlashState) -> bool:
         now = state.clock()
@@ -200,7 +205,7 @@ class DFlashProposer:
     def build_tree(self, state: DFlashState, root: int, logits: torch.Tensor | None, start: int) -> DraftTree:
         if logits is None:
             return DraftTree.from_parents([root], [-1])
-        return self.policy.build(state.policy, root, logits, start)
+        return self.policy.build(state.policy, root, logits, start, self.draft_token_ids)
 
     def advance(self, state: DFlashState, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor,
                 start: int) -> None:

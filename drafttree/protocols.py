@@ -36,7 +36,8 @@ class TargetModel(Protocol):
 
 
 class TreePolicy(Protocol):
-    """How a round's marginals [D, V] become a draft tree."""
+    """How a round's marginals [D, Vd] become a draft tree (token_ids [Vd]: the target id of each column
+    when the drafter has a reduced vocabulary; None: the columns are the ids)."""
 
     name: str
 
@@ -46,7 +47,8 @@ class TreePolicy(Protocol):
 
     def max_depth(self, depth: int) -> int: ...
 
-    def build(self, state, root: int, logits: torch.Tensor, context_len: int) -> DraftTree: ...
+    def build(self, state, root: int, logits: torch.Tensor, context_len: int,
+              token_ids: torch.Tensor | None = None) -> DraftTree: ...
 
     def record_acceptance(self, state, accepted_draft_nodes: int) -> None: ...
 

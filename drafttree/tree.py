@@ -197,10 +197,12 @@ def build_chain_tree(root_token: int, draft_tokens, logprobs=None) -> DraftTree:
     return DraftTree(tokens, torch.arange(-1, n - 1), torch.arange(n), lp, torch.cumsum(lp, 0))
 
 
-def best_first_nodes(marginal_logprobs: torch.Tensor, max_nodes: int) -> Iterator[TreeNode]:
+def best_first_nodes(marginal_logprobs: torch.Tensor, max_nodes: int,
+                     token_ids: torch.Tensor | None = None) -> Iterator[TreeNode]:
     """DDTree's best-first enumeration of prefixes, highest path log-prob first, lazily.
 
-    marginal_logprobs [D, V]: the drafter's log-probs per depth (row d is depth d+1). Prefix weight
+    marginal_logprobs [D, V]: the drafter's log-probs per depth (row d is depth d+1); with a reduced
+    draft vocabulary V is its size and token_ids [V] the target id of each column. Prefix weight
     = sum of log-marginals along the path (positions treated as independent). Yields at most
     `max_nodes` nodes in pop order, which is topological. Ties are broken by the tuple of
     top-k ranks along the path, so the order is total and deterministic. Stops early when only
@@ -210,7 +212,7 @@ def best_first_nodes(marginal_logprobs: torch.Tensor, max_nodes: int) -> Iterato
     if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
         raise ValueError(f"max_nodes must be an int >= 1, got {max_nodes!r}")
     depth_count, vocab = marginal_logprobs.shape
-    ranked = _RankedMarginals(marginal_logprobs, k_cap=min(max_nodes, vocab))
+    ranked = _RankedMarginals(marginal_logprobs, k_cap=min(max_nodes, vocab), token_ids=token_ids)
     lp, ids = ranked.lp, ranked.ids
     neg_inf = -math.inf
     # Entry: (-path_logprob, ranks along path, depth index, rank, parent node, parent path_logprob).
@@ -239,17 +241,20 @@ class _RankedMarginals:
 
     A full top-k with k = budget over a 49k-150k vocab costs milliseconds, but peaked draft
     marginals rarely use more than a few ranks per depth, so start small and double a row only
-    when the heap asks for a rank past its end.
+    when the heap asks for a rank past its end. With `token_ids` (a reduced draft vocabulary:
+    column j is token token_ids[j]) the ranks are over the columns and `ids` holds target ids.
     """
 
     INITIAL_K = 16
 
-    def __init__(self, marginal_logprobs: torch.Tensor, k_cap: int):
+    def __init__(self, marginal_logprobs: torch.Tensor, k_cap: int, token_ids: torch.Tensor | None = None):
         self.m = marginal_logprobs.detach().float()
         self.k_cap = k_cap
+        self.token_ids = token_ids
+        self._column_of: dict[int, int] | None = None
         top = torch.topk(self.m, min(k_cap, self.INITIAL_K), dim=-1)  # sorted descending
         self.lp: list[list[float]] = top.values.tolist()
-        self.ids: list[list[int]] = top.indices.tolist()
+        self.ids: list[list[int]] = self._ids(top.indices)
         # The best entry per row is the row max (NaN sorts first in topk), so checking it is free.
         for d, row in enumerate(self.lp):
             if math.isnan(row[0]):
@@ -265,18 +270,31 @@ class _RankedMarginals:
         # With ties, a larger top-k may pick different members of a tied group; keep the entries we
         # already handed out and append only unseen tokens, so ranks stay stable and tokens distinct.
         seen = set(self.ids[d])
-        for v, i in zip(top.values.tolist(), top.indices.tolist()):
+        for v, i in zip(top.values.tolist(), self._ids(top.indices)):
             if i not in seen:
                 self.lp[d].append(v)
                 self.ids[d].append(i)
         return len(self.lp[d]) > have
 
+    def _ids(self, columns: torch.Tensor) -> list:
+        return (columns if self.token_ids is None else self.token_ids[columns]).tolist()
 
-def build_best_first_tree(root_token: int, marginal_logprobs: torch.Tensor, budget: int) -> DraftTree:
+    def logprob_of(self, d: int, token: int) -> float:
+        """The log-prob of target id `token` at depth index d (-inf outside a reduced vocabulary)."""
+        if self.token_ids is None:
+            return float(self.m[d, token])
+        if self._column_of is None:
+            self._column_of = {t: j for j, t in enumerate(self.token_ids.tolist())}
+        j = self._column_of.get(token)
+        return -math.inf if j is None else float(self.m[d, j])
+
+
+def build_best_first_tree(root_token: int, marginal_logprobs: torch.Tensor, budget: int,
+                          token_ids: torch.Tensor | None = None) -> DraftTree:
     """DDTree: the `budget` highest-weight prefixes (draft nodes, root excluded) as a DraftTree."""
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget must be an int >= 1 (draft nodes, root excluded), got {budget!r}")
-    return DraftTree.from_nodes(root_token, list(best_first_nodes(marginal_logprobs, budget)))
+    return DraftTree.from_nodes(root_token, list(best_first_nodes(marginal_logprobs, budget, token_ids)))
 
 
 def best_first_reference(marginal_logprobs: torch.Tensor, budget: int) -> list[tuple[int, ...]]:

@@ -90,7 +90,8 @@ def record_draft_streams(target, proposer, prompt_ids: torch.Tensor, max_new_tok
         q = P + s
         logits = proposer.draft(state, ar[s], q)
         on_path = [True]  # the root is AR's token
-        for j, node in enumerate(best_first_nodes(logits.log_softmax(-1), max_nodes)):  # as the policies build trees
+        for j, node in enumerate(best_first_nodes(logits.log_softmax(-1), max_nodes,  # as the policies build trees
+                                                  getattr(proposer, "draft_token_ids", None))):
             ok = on_path[node.parent] and q + node.depth < seq.numel() and int(seq[q + node.depth]) == node.token
             on_path.append(ok)
             parents[s, j], node_tokens[s, j], depths[s, j], path_lp[s, j] = node.parent, node.token, node.depth, node.path_logprob

@@ -283,8 +283,9 @@ class DFlashDrafter(nn.Module):
             self._head_cache = (key, sub)
         return self._head_cache[1]
 
-    def draft_logits(self, hidden: torch.Tensor, lm_head: LMHead) -> torch.Tensor:
-        """fp32 logits [n, V] over the target vocabulary; with a draft vocabulary the other ids get -inf.
+    def draft_scores(self, hidden: torch.Tensor, lm_head: LMHead) -> torch.Tensor:
+        """fp32 logits [n, Vd] over the draft vocabulary (column j is token `draft_vocab[j]`; the whole
+        target vocabulary when the drafter has no reduced one). The hot path: nothing is widened.
         A weight tensor is used in its own dtype (the small hidden is cast, never the big head)."""
         if not self.config.draft_vocab_size:
             if callable(lm_head) and not isinstance(lm_head, torch.Tensor):
@@ -293,7 +294,19 @@ class DFlashDrafter(nn.Module):
         if not isinstance(lm_head, torch.Tensor) and not hasattr(lm_head, "select_rows"):
             raise TypeError("a reduced draft vocabulary needs the LM head weight tensor or an int8 head layer")
         w = self.head_weight(lm_head)
-        small = (hidden.to(w.dtype) @ w.t()).float() if isinstance(w, torch.Tensor) else w(hidden).float()
+        return (hidden.to(w.dtype) @ w.t()).float() if isinstance(w, torch.Tensor) else w(hidden).float()
+
+    @property
+    def draft_token_ids(self) -> torch.Tensor | None:
+        """The target id of each column of `draft_scores`, or None when the columns are the ids."""
+        return self.draft_vocab if self.config.draft_vocab_size else None
+
+    def draft_logits(self, hidden: torch.Tensor, lm_head: LMHead) -> torch.Tensor:
+        """fp32 logits [n, V] over the target vocabulary; with a draft vocabulary the other ids get -inf
+        (for training and references; decoding uses draft_scores)."""
+        small = self.draft_scores(hidden, lm_head)
+        if not self.config.draft_vocab_size:
+            return small
         out = small.new_full((hidden.shape[0], self.config.vocab_size), float("-inf"))
         return out.index_copy_(1, self.draft_vocab, small)
 

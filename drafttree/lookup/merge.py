@@ -44,11 +44,13 @@ class MergedNode(NamedTuple):
 
 
 def merged_best_first(cont: Continuations | None, marginal_logprobs: torch.Tensor | None, max_nodes: int,
-                      drafter_scale: float = 1.0) -> Iterator[MergedNode]:
+                      drafter_scale: float = 1.0, token_ids: torch.Tensor | None = None) -> Iterator[MergedNode]:
     """The merged stream, at most `max_nodes` nodes, best first; stops early when only zero weights remain.
 
     marginal_logprobs [D, V]: the drafter's log-probs per depth (row d is depth d + 1), or None (lookup
-    alone). `cont`: the lookup's continuations, or None. `drafter_scale` multiplies the drafter's path
+    alone); with a reduced draft vocabulary V is its size and token_ids [V] the target id of each column
+    (a trie token outside it has drafter weight 0). `cont`: the lookup's continuations, or None.
+    `drafter_scale` multiplies the drafter's path
     probabilities (caddtree-online's acceptance scale). Ties pop in push order (deterministic).
     """
     if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
@@ -59,7 +61,7 @@ def merged_best_first(cont: Continuations | None, marginal_logprobs: torch.Tenso
     if marginal_logprobs is not None:
         vocab = marginal_logprobs.shape[-1]
         # trie tokens are skipped in the drafter's ranking, so it may need a few ranks past max_nodes
-        ranked = _RankedMarginals(marginal_logprobs, k_cap=min(max_nodes + 64, vocab))
+        ranked = _RankedMarginals(marginal_logprobs, k_cap=min(max_nodes + 64, vocab), token_ids=token_ids)
     log_s = math.log(drafter_scale)
     heap: list = []
     counter = 0
@@ -70,7 +72,7 @@ def merged_best_first(cont: Continuations | None, marginal_logprobs: torch.Tenso
         row = depth if ranked is not None and depth < len(ranked.lp) and drafter_lp > NEG_INF else -1
         if trie is not None:
             for c in cont.children(trie):
-                d_lp = drafter_lp + float(ranked.m[depth, c.token]) if row >= 0 else NEG_INF
+                d_lp = drafter_lp + ranked.logprob_of(depth, c.token) if row >= 0 else NEG_INF
                 l_lp = lookup_lp + c.log_q
                 look.append((max(log_s + d_lp, l_lp), d_lp, l_lp, c))
             look.sort(key=lambda e: -e[0])  # stable: trie order (count, recency) breaks ties

@@ -177,7 +177,7 @@ class LookupDFlashProposer:
     # ---- one round ----
 
     def draft(self, state: LookupDFlashState, root: int, start: int):
-        """(drafter logits [D, V] or None when skipped, continuations or None)."""
+        """(drafter logits [D, Vd] or None when skipped, continuations or None)."""
         cont = state.lookup.query(root, self.config, self.max_nodes)
         if self.cost_aware:
             pstate = state.dflash.policy  # the round's clock starts here, skipped drafter or not
@@ -206,7 +206,8 @@ class LookupDFlashProposer:
         marginals = None if logits is None else logits.log_softmax(-1)
         if not self.cost_aware:
             nodes = [] if cont is None and marginals is None else list(
-                islice(merged_best_first(cont, marginals, policy.budget), policy.budget))
+                islice(merged_best_first(cont, marginals, policy.budget, token_ids=self.dflash.draft_token_ids),
+                       policy.budget))
             return state.lookup.remember(root, nodes)
         pstate = state.dflash.policy
         alone, overhead, scale = state.pending
@@ -214,7 +215,8 @@ class LookupDFlashProposer:
         if marginals is None:  # the lookup-only selection is the tree
             sel = alone if alone is not None else caddtree_select(iter(()), self._no_draft_cost, start, 0, overhead)
         else:
-            stream = merged_best_first(cont, marginals, policy.max_tree_nodes, drafter_scale=scale)
+            stream = merged_best_first(cont, marginals, policy.max_tree_nodes, drafter_scale=scale,
+                                       token_ids=self.dflash.draft_token_ids)
             sel = caddtree_select(stream, policy.cost_model, start, policy.max_tree_nodes, overhead)
             if alone is not None:  # what the drafter added to a round the lookup alone could have served
                 phi, nodes = sel.expected_tokens - alone.expected_tokens, len(sel.nodes) - len(alone.nodes)
