@@ -1,0 +1,95 @@
+"""`weaver-ddtree` and `weaver-caddtree`: the DFlash drafter's forward, trees grown from Weaver's
+path-conditioned probabilities (drafttree.weaver.tree) instead of the independent marginals.
+
+The drafter's context, prefill and advance are DFlashProposer's own (wrapped, not copied); only the
+round's output differs: the hidden states beside the logits, since Weaver reads both. weaver-caddtree
+is CaDDTree's greedy stop on the Weaver stream with the stream's own cost in the round: one call
+for the root, then one per w nodes, each `call_ms` (measured once when the proposer is made).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..costmodel import caddtree_select
+from ..proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer
+from ..tree import DraftTree
+from .model import Weaver
+from .tree import RoundInputs, WeaverStream, round_inputs
+
+
+@dataclass
+class WeaverDraft:
+    """One round's drafter output: logits [D, Vd] (column j = token_ids[j], or the ids themselves) and the
+    hidden states [D, H] that produced them."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    token_ids: torch.Tensor | None = None
+
+
+class WeaverProposer:
+    def __init__(self, drafter, target_model, weaver: Weaver, policy, width: int = 8, call_ms: float | None = None):
+        if not isinstance(policy, (BestFirstPolicy, CostAwarePolicy)) or getattr(policy, "recalibrate", False):
+            raise ValueError("a Weaver proposer takes a fixed budget (BestFirstPolicy) or CaDDTree's stop (CostAwarePolicy "
+                             "without recalibration)")
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"--weaver-width must be an integer >= 1, got {width!r}")
+        self.inner = DFlashProposer(drafter, target_model, policy)
+        self.drafter, self.model, self.policy, self.weaver, self.width = drafter, target_model, policy, weaver, width
+        self.capture_layers, self.max_nodes = self.inner.capture_layers, self.inner.max_nodes
+        self.draft_depth = min(self.inner.draft_depth, weaver.config.max_depth)
+        self.name = "weaver-" + policy.name
+        self.cost_aware = isinstance(policy, CostAwarePolicy)
+        self.call_ms = (call_ms if call_ms is not None else measure_call_ms(weaver, width)) if self.cost_aware else 0.0
+
+    def begin(self, prompt_ids, prompt_features, clock=time.perf_counter):
+        return self.inner.begin(prompt_ids, prompt_features, clock)
+
+    def draft(self, state, root: int, start: int) -> WeaverDraft:
+        d = self.drafter
+        hidden = d.draft(state.context, d.block_embeds(root, self.model.embed), start)[1:1 + self.draft_depth]
+        if hasattr(d, "draft_scores"):  # columns over the draft vocabulary (all ids when it is not reduced)
+            return WeaverDraft(d.draft_scores(hidden, self.inner.lm_head), hidden, d.draft_token_ids)
+        return WeaverDraft(d.draft_logits(hidden, self.inner.lm_head), hidden)
+
+    def stream(self, root: int, drafted: WeaverDraft, max_nodes: int | None = None) -> WeaverStream:
+        inputs = round_inputs(self.weaver, drafted.logits, drafted.hidden, self.model.embed, drafted.token_ids)
+        return WeaverStream(self.weaver, inputs, root, self.max_nodes if max_nodes is None else max_nodes, self.width)
+
+    def build_tree(self, state, root: int, drafted: WeaverDraft, start: int) -> DraftTree:
+        stream = self.stream(root, drafted)
+        if not self.cost_aware:
+            return DraftTree.from_nodes(root, list(stream))
+        # the root's call is paid by any tree with a node; then one call per `width` nodes
+        sel = caddtree_select(iter(stream), self.policy.cost_model, start, self.max_nodes, overhead_ms=self.call_ms,
+                              node_ms=self.call_ms / self.width)
+        return DraftTree.from_nodes(root, sel.nodes)
+
+    def advance(self, state, accepted_tokens, accepted_features, start: int) -> None:
+        self.inner.advance(state, accepted_tokens, accepted_features, start)
+
+
+@torch.inference_mode()
+def measure_call_ms(weaver: Weaver, width: int, nodes: int = 64, repeats: int = 3, seed: int = 0) -> float:
+    """Median ms of one Weaver call expanding `width` nodes, on a synthetic round (random drafter outputs of
+    the Weaver's own shapes), measured over whole `nodes`-node builds so Python overhead counts too."""
+    cfg = weaver.config
+    g = torch.Generator().manual_seed(seed)
+    D, K = cfg.max_depth, cfg.num_candidates
+    lp = torch.randn(D, K, generator=g).mul(2).log_softmax(-1).sort(-1, descending=True).values - 0.1
+    table = torch.randn(cfg.vocab_size, cfg.embed_size, generator=g)
+    inputs = RoundInputs(torch.randint(0, cfg.vocab_size, (D, K), generator=g), lp,
+                         torch.full((D,), -2.4), torch.randn(D, K, cfg.embed_size, generator=g),
+                         torch.randn(D, cfg.drafter_hidden_size, generator=g), lambda ids: table[ids])
+    times = []
+    for _ in range(repeats + 1):  # the first build warms allocations up
+        stream = WeaverStream(weaver, inputs, 0, nodes, width)
+        t0 = time.perf_counter()
+        for _ in stream:
+            pass
+        times.append((time.perf_counter() - t0) * 1e3 / max(1, stream.calls))
+    return statistics.median(times[1:])
