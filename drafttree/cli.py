@@ -23,6 +23,13 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
+def add_weaver_args(p: argparse.ArgumentParser) -> None:
+    """--weaver / --weaver-width, wherever --drafter is: the weaver-* methods' adapter and its expansion width."""
+    p.add_argument("--weaver", default=None, help="Weaver directory for weaver-ddtree / weaver-caddtree "
+                   "(default: the one shipped for the model)")
+    p.add_argument("--weaver-width", type=int, default=8, help="nodes Weaver expands per call (1: exact best-first)")
+
+
 def _sampling(a) -> SamplingParams:
     return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
 
@@ -117,6 +124,10 @@ def cmd_train(a) -> int:
         from .drafter.train import main as train_main
 
         return train_main(a.rest) or 0
+    if a.what == "weaver":
+        from .weaver.train import main as weaver_main
+
+        return weaver_main(a.rest)
     from .drafter.datagen import main as datagen_main
 
     return datagen_main(a.rest)
@@ -131,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", default="ar", choices=list(METHODS))
     g.add_argument("--budget", type=int, default=16, help="draft-tree nodes for --method ddtree")
     g.add_argument("--drafter", default=None, help="drafter directory (default: the one shipped for the model)")
+    add_weaver_args(g)
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--system", default=None, help="system message")
     _add_model_args(g)
@@ -147,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--method", default="caddtree-online", choices=list(METHODS))
     d.add_argument("--budget", type=int, default=16)
     d.add_argument("--drafter", default=None, help="drafter directory (default: the one shipped for the model)")
+    add_weaver_args(d)
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench-runtime", help="AR tokens/s vs transformers, and the forward-cost curve")
@@ -202,9 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay_arguments(rp)
     rp.set_defaults(func=cmd_replay)
 
-    t = sub.add_parser("train", help="`train data ...` (self-distillation data) or `train drafter ...`; "
-                       "options: see `drafttree train drafter -- --help`")
-    t.add_argument("what", choices=["data", "drafter"])
+    t = sub.add_parser("train", help="`train data ...` (self-distillation data), `train drafter ...` or `train weaver "
+                       "...`; options: see `drafttree train drafter -- --help`")
+    t.add_argument("what", choices=["data", "drafter", "weaver"])
     t.add_argument("rest", nargs=argparse.REMAINDER)
     t.set_defaults(func=cmd_train)
 
@@ -230,7 +243,7 @@ def check_args(a) -> None:
     if hasattr(a, "temperature"):
         check_sampling(a.temperature, a.top_p, a.top_k)
     check_threads(getattr(a, "threads", None))
-    for name in ("max_new_tokens", "limit", "budget", "prompts", "max_tree_nodes", "repeats"):
+    for name in ("max_new_tokens", "limit", "budget", "prompts", "max_tree_nodes", "repeats", "weaver_width"):
         if getattr(a, name, None) is not None:
             check_positive_int("--" + name.replace("_", "-"), getattr(a, name))
     if getattr(a, "warmup_tokens", None) is not None:
@@ -246,6 +259,10 @@ def check_args(a) -> None:
         load_drafter_config(a.drafter)
         for f in sorted(Path(a.drafter).glob("*.safetensors")):
             check_safetensors(f, "the drafter's weights", "copy the drafter again or retrain it (`drafttree train drafter`)")
+    if getattr(a, "weaver", None):
+        from .weaver.checkpoint import load_weaver_config
+
+        load_weaver_config(a.weaver)
     if getattr(a, "cost_model", None):
         from .costmodel import VerifyCostModel
 

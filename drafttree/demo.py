@@ -24,7 +24,9 @@ def run_demo(a) -> int:
     methods = [] if a.method == "ar" else [a.method] + (["chain"] if a.method != "chain" else [])
     runs = {}
     for m in methods + ["ar"]:
-        proposer = None if m == "ar" else make_proposer(m, target, load_drafter_for(target, a.drafter), budget=a.budget)
+        proposer = None if m == "ar" else make_proposer(m, target, load_drafter_for(target, a.drafter), budget=a.budget,
+                                                        weaver=getattr(a, "weaver", None),
+                                                        weaver_width=getattr(a, "weaver_width", 8))
         generate(m, target, ids[:16], 8, proposer=proposer)  # warm-up: first calls pay one-off costs
         runs[m] = generate(m, target, ids, a.max_new_tokens, proposer=proposer)
     print(target.decode(runs[a.method].tokens) + "\n")

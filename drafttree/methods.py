@@ -1,5 +1,6 @@
-"""Decoding methods by name: `ar`, `chain`, `ddtree`, `caddtree`, `caddtree-online`, and with retrieval branches
-(drafttree.lookup) `lookup` (no drafter), `lookup-ddtree`, `lookup-caddtree` — the one place the CLI, the demo,
+"""Decoding methods by name: `ar`, `chain`, `ddtree`, `caddtree`, `caddtree-online`, with retrieval branches
+(drafttree.lookup) `lookup` (no drafter), `lookup-ddtree`, `lookup-caddtree`, and with Weaver's path-conditioned
+trees (drafttree.weaver) `weaver-ddtree`, `weaver-caddtree` — the one place the CLI, the demo,
 the benchmark and the server turn a method name into a generation call."""
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ from .gguf_convert import cache_root
 from .sampling import SamplingParams
 from .target import Target
 
-METHODS = ("ar", "chain", "ddtree", "caddtree", "caddtree-online", "lookup", "lookup-ddtree", "lookup-caddtree")
-COST_AWARE = ("caddtree", "caddtree-online", "lookup-caddtree")  # need the machine's cost model
+METHODS = ("ar", "chain", "ddtree", "caddtree", "caddtree-online", "lookup", "lookup-ddtree", "lookup-caddtree",
+           "weaver-ddtree", "weaver-caddtree")
+COST_AWARE = ("caddtree", "caddtree-online", "lookup-caddtree", "weaver-caddtree")  # need the machine's cost model
+WEAVER_METHODS = ("weaver-ddtree", "weaver-caddtree")  # need a trained Weaver beside the drafter
+DEFAULT_WEAVER_WIDTH = 8  # Weaver expands this many nodes per call
 NO_DRAFTER = ("ar", "lookup")  # run without a drafter
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 SHIPPED_DRAFTERS = {"smollm2-135m-instruct": WEIGHTS_DIR / "smollm2-135m-instruct-dflash"}
+SHIPPED_WEAVERS = {"smollm2-135m-instruct": WEIGHTS_DIR / "smollm2-135m-instruct-weaver"}
 
 
 def default_drafter_path(target: Target) -> Path:
@@ -43,6 +48,20 @@ def load_drafter_for(target: Target, path: str | Path | None = None):
     if max(cfg.target_layer_ids) >= tcfg.num_layers:
         raise ValueError(f"drafter reads target layers {cfg.target_layer_ids} but the target has {tcfg.num_layers}")
     return drafter.eval()
+
+
+def load_weaver_for(target: Target, drafter, path: str | Path | None = None):
+    """The Weaver for this target and drafter: `path`, or the one shipped for the target."""
+    from .weaver.checkpoint import check_weaver_fits, load_weaver
+
+    if path is None:
+        path = SHIPPED_WEAVERS.get(target.name)
+        if path is None or not (path / "config.json").exists():
+            raise FileNotFoundError(f"no Weaver ships for {target.name!r}: pass --weaver DIR (a Weaver directory from "
+                             "`drafttree train weaver`)")
+    weaver = load_weaver(path)
+    check_weaver_fits(weaver.config, drafter.config, target.model.config, where=f"the Weaver in {path}")
+    return weaver
 
 
 def cost_model_path(target: Target) -> Path:
@@ -71,7 +90,9 @@ def load_or_profile_cost_model(target: Target, proposer_factory, quiet: bool = F
     return model
 
 
-def make_proposer(method: str, target: Target, drafter=None, budget: int = 16, cost_model=None, max_tree_nodes: int = 128):
+def make_proposer(method: str, target: Target, drafter=None, budget: int = 16, cost_model=None, max_tree_nodes: int = 128,
+                  weaver=None, weaver_width: int = DEFAULT_WEAVER_WIDTH):
+    """`weaver` (weaver-* methods): a loaded Weaver, its directory, or None for the one shipped for the target."""
     from .proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy, DFlashProposer
 
     if method not in METHODS or method == "ar":
@@ -86,6 +107,13 @@ def make_proposer(method: str, target: Target, drafter=None, budget: int = 16, c
         return LookupDFlashProposer(make_proposer(method.removeprefix("lookup-"), target, drafter, budget, cost_model,
                                                   max_tree_nodes))
     drafter = drafter if drafter is not None else load_drafter_for(target)
+    if method in WEAVER_METHODS:
+        from .weaver import WeaverProposer
+
+        if weaver is None or isinstance(weaver, (str, Path)):
+            weaver = load_weaver_for(target, drafter, weaver)
+        base = make_proposer(method.removeprefix("weaver-"), target, drafter, budget, cost_model, max_tree_nodes)
+        return WeaverProposer(drafter, target.model, weaver, base.policy, weaver_width)
     if method == "chain":
         policy = ChainPolicy()
     elif method == "ddtree":
@@ -104,8 +132,11 @@ class Decoder:
     """One target with its drafter and cost model loaded once; makes independent sequences for any
     method (proposers are stateless and shared; each sequence holds its own state)."""
 
-    def __init__(self, target: Target, drafter=None, budget: int = 16, max_tree_nodes: int = 128, cost_model=None):
+    def __init__(self, target: Target, drafter=None, budget: int = 16, max_tree_nodes: int = 128, cost_model=None,
+                 weaver=None, weaver_width: int = DEFAULT_WEAVER_WIDTH):
         self.target, self.budget, self.max_tree_nodes, self.cost_model = target, budget, max_tree_nodes, cost_model
+        self.weaver_width = weaver_width
+        self._weaver = weaver  # a path, a loaded Weaver, or None (the shipped one); loaded by the first weaver-* method
         self._drafter_source = drafter  # a path, a loaded drafter, or None (the shipped one)
         self._drafter = None if drafter is None or isinstance(drafter, (str, Path)) else drafter
         self._proposers: dict[str, object] = {}
@@ -122,8 +153,10 @@ class Decoder:
             return None
         if method not in self._proposers:
             drafter = None if method in NO_DRAFTER else self.drafter
+            if method in WEAVER_METHODS and (self._weaver is None or isinstance(self._weaver, (str, Path))):
+                self._weaver = load_weaver_for(self.target, self.drafter, self._weaver)  # once for both methods
             self._proposers[method] = make_proposer(method, self.target, drafter, self.budget, self.cost_model,
-                                                    self.max_tree_nodes)
+                                                    self.max_tree_nodes, self._weaver, self.weaver_width)
             if method in COST_AWARE and self.cost_model is None:
                 self.cost_model = self._proposers[method].policy.cost_model  # profiled once for both
         return self._proposers[method]
@@ -154,4 +187,5 @@ def generate_with(method: str, target: Target, prompt_ids, args, on_tokens=None)
     drafter = None if method in NO_DRAFTER else load_drafter_for(target, getattr(args, "drafter", None))
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     return generate(method, target, prompt_ids, args.max_new_tokens, sampling, on_tokens=on_tokens, drafter=drafter,
-                    budget=getattr(args, "budget", 16))
+                    budget=getattr(args, "budget", 16), weaver=getattr(args, "weaver", None),
+                    weaver_width=getattr(args, "weaver_width", DEFAULT_WEAVER_WIDTH))

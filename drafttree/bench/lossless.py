@@ -67,11 +67,16 @@ def method_label(method: str, budget: int) -> str:
 
 
 def check(target, methods, prompts_by_set: dict, max_new_tokens: int = 256, drafter=None, cost_model=None,
-          progress: bool = True, records=None, budget: int = 16) -> dict:
+          progress: bool = True, records=None, budget: int = 16, weaver=None, weaver_width: int = 8) -> dict:
     """`records`: an open text file that gets one JSON line per prompt as it finishes (survives a kill).
     `budget`: the node budget of ddtree and lookup-ddtree (their rows are named ddtree-<budget>, ...)."""
     stops = set(target.stop_token_ids)
-    proposers = {m: make_proposer(m, target, drafter=drafter, budget=budget, cost_model=cost_model) for m in methods}
+    if any(m.startswith("weaver-") for m in methods) and (weaver is None or isinstance(weaver, (str, Path))):
+        from ..methods import load_weaver_for
+
+        weaver = load_weaver_for(target, drafter, weaver)  # once for both weaver-* methods
+    proposers = {m: make_proposer(m, target, drafter=drafter, budget=budget, cost_model=cost_model, weaver=weaver,
+                                  weaver_width=weaver_width) for m in methods}
     results = {}
     total = sum(len(p) for p in prompts_by_set.values()) * len(methods)
     bar = tqdm(total=total, desc="lossless check", unit="run", disable=not progress)
@@ -138,6 +143,9 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--drafter", default=None)
+    from ..cli import add_weaver_args
+
+    add_weaver_args(p)
     p.add_argument("--out", default="runs/lossless")
 
 
@@ -167,7 +175,7 @@ def run(a) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "records.jsonl", "w") as records:
         results = check(target, methods, prompts, a.max_new_tokens, drafter, cost_model, records=records,
-                        budget=a.budget)
+                        budget=a.budget, weaver=a.weaver, weaver_width=a.weaver_width)
     config = dict(model=target.name, compute=getattr(target, "compute_label", compute_of(a)), max_new_tokens=a.max_new_tokens, threads=torch.get_num_threads(),
                   drafter=a.drafter or "shipped", sets={d: len(p) for d, p in prompts.items()})
     atomic_write_text(out / "results.json", json.dumps(dict(config=config, results=results), indent=1) + "\n")

@@ -38,8 +38,9 @@ from ..validate import InputError, check_positive_int
 DATASETS = ("humaneval", "gsm8k", "mtbench", "copy")  # every prompt set a run may name (datasets.PROMPT_SETS)
 DEFAULT_DATASETS = ("humaneval", "gsm8k", "mtbench")  # what a run without --datasets measures
 DEFAULT_OUT = "runs/bench-methods"
-BUDGETED = ("ddtree", "lookup-ddtree")  # run once per --budgets entry
-POINT_MARKERS = {"chain": "^", "caddtree": "*", "caddtree-online": "P", "lookup": "v", "lookup-caddtree": "X"}
+BUDGETED = ("ddtree", "lookup-ddtree", "weaver-ddtree")  # run once per --budgets entry
+POINT_MARKERS = {"chain": "^", "caddtree": "*", "caddtree-online": "P", "lookup": "v", "lookup-caddtree": "X",
+                 "weaver-caddtree": "D"}
 
 
 # ---- method variants -------------------------------------------------------------------------
@@ -125,20 +126,28 @@ def _record(dataset: str, index: int, variant: Variant, result, ar_tokens) -> di
 def benchmark(target, prompts_by_dataset: dict, methods=METHODS, *, drafter=None, budgets=(16,), max_new_tokens: int = 256,
               sampling: SamplingParams = SamplingParams(), cost_model=None, max_tree_nodes: int = 128, chat: bool = True,
               warmup_tokens: int = 8, stop_token_ids=None, out_dir=None, progress: bool = True, config: dict | None = None,
-              proposers: dict | None = None, log=print) -> dict:
+              proposers: dict | None = None, log=print, weaver=None, weaver_width: int = 8) -> dict:
     """Run every method on every prompt, interleaved; return (and, with out_dir, write) the results.
 
     `prompts_by_dataset` maps a dataset name to prompts: strings (chat template applied unless
     `chat=False`) or token-id sequences (used as they are). `drafter` is shared by all proposers;
     `cost_model` is CaDDTree's (profiled / loaded from the cache when None). `proposers` maps variant
-    names ("chain", "ddtree-16", ...) to ready proposers that replace the default DFlash ones.
+    names ("chain", "ddtree-16", ...) to ready proposers that replace the default DFlash ones. `weaver`
+    (a loaded Weaver or its directory; None: the shipped one) and `weaver_width` serve the weaver-* methods.
     """
     from tqdm import tqdm
 
     variants = parse_variants(methods, budgets)
     given = dict(proposers or {})
+    if weaver is None or isinstance(weaver, (str, Path)):
+        if any(v.method.startswith("weaver-") and v.name not in given for v in variants):
+            from ..methods import load_drafter_for, load_weaver_for
+
+            drafter = drafter if drafter is not None else load_drafter_for(target)
+            weaver = load_weaver_for(target, drafter, weaver)  # loaded once for every weaver-* variant
     proposers = {v.name: given.get(v.name) or make_proposer(v.method, target, drafter=drafter, budget=v.budget or 16,
-                                                            cost_model=cost_model, max_tree_nodes=max_tree_nodes)
+                                                            cost_model=cost_model, max_tree_nodes=max_tree_nodes,
+                                                            weaver=weaver, weaver_width=weaver_width)
                  for v in variants if v.method != "ar"}
     prompts = {ds: [_prompt_ids(target, p, chat) for p in ps] for ds, ps in prompts_by_dataset.items()}
     if not any(prompts.values()):
@@ -346,7 +355,7 @@ def plot_vs_budget(results: dict, key: str, ylabel: str, path: Path) -> None:
         series["mean"] = results["mean_over_datasets"]
     for i, (ds, rows) in enumerate(series.items()):
         color = "black" if ds == "mean" else f"C{i % 10}"
-        for kind, style in (("ddtree", "o-"), ("lookup-ddtree", "s--")):
+        for kind, style in (("ddtree", "o-"), ("lookup-ddtree", "s--"), ("weaver-ddtree", "D-.")):
             dd = sorted((r["budget"], r[key]) for r in rows.values() if r["kind"] == kind and r[key] is not None)
             if dd:
                 ax.plot([b for b, _ in dd], [y for _, y in dd], style, color=color, label=f"{ds}: {kind}",
@@ -457,6 +466,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost-model", default=None,
                    help="caddtree's cost model JSON (default: this machine's cached one, profiled on first use)")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the one shipped for the model)")
+    from ..cli import add_weaver_args
+
+    add_weaver_args(p)
     p.add_argument("--datasets", "--sets", dest="datasets", default=",".join(DEFAULT_DATASETS),
                    help=f"comma list of {', '.join(DATASETS)} (default: {','.join(DEFAULT_DATASETS)})")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset")
@@ -514,7 +526,9 @@ def run(args) -> int:
             cost_model_src = str(cost_model_path(target))
     config = dict(model=target.name, compute=target.compute_label, threads=torch.get_num_threads(),
                   drafter=str(args.drafter) if args.drafter else ("shipped" if drafter is not None else None),
-                  cost_model=cost_model_src, datasets=datasets, limit=args.limit, torch=torch.__version__,
+                  cost_model=cost_model_src, weaver=(str(args.weaver) if args.weaver else "shipped") if any(
+                      v.method.startswith("weaver-") for v in variants) else None, weaver_width=args.weaver_width,
+                  datasets=datasets, limit=args.limit, torch=torch.__version__,
                   python=platform.python_version(), machine=platform.machine(), processor=platform.processor() or None,
                   cpu_count=os.cpu_count(), git_commit=_git_commit(),
                   started=datetime.datetime.now().isoformat(timespec="seconds"))
@@ -525,7 +539,7 @@ def run(args) -> int:
                         max_new_tokens=args.max_new_tokens, sampling=sampling, cost_model=cost_model,
                         max_tree_nodes=args.max_tree_nodes, chat=not args.no_chat, warmup_tokens=args.warmup_tokens,
                         out_dir=args.out, progress=not args.no_progress, config=config,
-                        log=lambda m: print(m, file=sys.stderr))
+                        log=lambda m: print(m, file=sys.stderr), weaver=args.weaver, weaver_width=args.weaver_width)
     print(markdown_report(results))
     lines = mismatch_lines(results)
     for line in lines:

@@ -27,6 +27,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="decoding method of requests that do not name one in the body field `method`")
     s.add_argument("--drafter", default=None, help="drafter directory (default: the one shipped for the model)")
     s.add_argument("--budget", type=int, default=16, help="draft-tree nodes for method ddtree")
+    from ..cli import add_weaver_args
+
+    add_weaver_args(s)
     s.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set, else none)")
     s.add_argument("--max-concurrency", type=int, default=8, help="requests decoded at once; the rest wait in order")
@@ -97,7 +100,7 @@ def cmd_serve(a) -> int:
     target = load_target(a.model, compute=compute_of(a), threads=a.threads)
     if target.tokenizer is None:
         raise InputError(f"{a.model} has no tokenizer files: the server reads and writes text")
-    decoder = Decoder(target, drafter=a.drafter, budget=a.budget)
+    decoder = Decoder(target, drafter=a.drafter, budget=a.budget, weaver=a.weaver, weaver_width=a.weaver_width)
     methods = available_methods(decoder, a.method)
     if not a.no_warmup:
         warm_up(decoder, target, a.method)

@@ -1,0 +1,151 @@
+"""weaver-ddtree and weaver-caddtree by name: registered in drafttree.methods (generate, Decoder, bench,
+check-lossless, the server), greedy = AR token for token (tiny models, fp32; one real SmolLM2 prompt), an
+untrained Weaver decodes exactly as DDTree does, and sampling matches the target (χ²)."""
+import pytest
+import torch
+
+from drafttree.costmodel import ConvexCost, VerifyCostModel
+from drafttree.engine import generate_ar, generate_speculative
+from drafttree.load import load_target
+from drafttree.proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer
+from drafttree.weaver import Weaver, WeaverConfig, WeaverProposer
+from spec_helpers import random_drafter_for
+
+
+def synthetic_cost_model() -> VerifyCostModel:
+    return VerifyCostModel(context_lens=(0,), curves=(ConvexCost(knots=(1.0, 8.0, 64.0), values=(10.0, 12.0, 40.0)),),
+                           draft_ms=3.0)
+
+
+def weaver_for(target, drafter, trained: bool = True, seed: int = 0, k: int = 16) -> Weaver:
+    torch.manual_seed(seed)
+    w = Weaver(WeaverConfig(vocab_size=target.model.config.vocab_size, embed_size=target.model.config.hidden_size,
+                            drafter_hidden_size=drafter.config.hidden_size, max_depth=drafter.config.block_size - 1,
+                            hidden_size=32, num_layers=1, num_heads=4, intermediate_size=48, num_candidates=k)).eval()
+    if trained:  # a residual that changes the trees
+        with torch.no_grad():
+            w.to_embed.weight.normal_(0, 0.5)
+            w.other_bias.weight.normal_(0, 0.5)
+    return w
+
+
+def prompts(n, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("method, width", [("ddtree", 1), ("ddtree", 4), ("caddtree", 8)])
+def test_greedy_equals_ar(tiny_checkpoint, method, width):
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    drafter = random_drafter_for(target.model)
+    policy = BestFirstPolicy(12) if method == "ddtree" else CostAwarePolicy(synthetic_cost_model(), max_tree_nodes=24)
+    proposer = WeaverProposer(drafter, target.model, weaver_for(target, drafter), policy, width, call_ms=0.3)
+    assert proposer.name == f"weaver-{method}"
+    for ids in prompts(2, target.model.config.vocab_size, seed=1):
+        ar = generate_ar(target, ids, max_new_tokens=24, stop_token_ids=()).tokens
+        res = generate_speculative(target, ids, proposer, max_new_tokens=24, stop_token_ids=())
+        assert res.tokens == ar
+        assert max(res.stats.tree_sizes) > 1
+
+
+def test_untrained_weaver_decodes_exactly_as_ddtree(tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    drafter = random_drafter_for(target.model)
+    ids = prompts(1, target.model.config.vocab_size, seed=2)[0]
+    dd = generate_speculative(target, ids, DFlashProposer(drafter, target.model, BestFirstPolicy(10)), 24, stop_token_ids=())
+    wv = generate_speculative(target, ids, WeaverProposer(drafter, target.model, weaver_for(target, drafter, trained=False),
+                                                          BestFirstPolicy(10), width=1), 24, stop_token_ids=())
+    assert wv.tokens == dd.tokens and wv.stats.accept_lengths == dd.stats.accept_lengths
+
+
+def test_methods_are_registered(tiny_checkpoint, tmp_path):
+    from drafttree.methods import COST_AWARE, METHODS, Decoder, make_proposer
+    from drafttree.weaver.checkpoint import save_weaver
+
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    drafter = random_drafter_for(target.model)
+    assert {"weaver-ddtree", "weaver-caddtree"} <= set(METHODS) and "weaver-caddtree" in COST_AWARE
+    with pytest.raises(FileNotFoundError, match="--weaver DIR"):  # none ships for the tiny model
+        make_proposer("weaver-ddtree", target, drafter=drafter)
+    weaver = weaver_for(target, drafter)
+    save_weaver(weaver, tmp_path / "w")
+    dd = make_proposer("weaver-ddtree", target, drafter=drafter, budget=9, weaver=tmp_path / "w", weaver_width=2)
+    assert (dd.name, dd.max_nodes, dd.width) == ("weaver-ddtree", 9, 2)
+    decoder = Decoder(target, drafter=drafter, max_tree_nodes=20, cost_model=synthetic_cost_model(), weaver=str(tmp_path / "w"))
+    cadd = decoder.proposer("weaver-caddtree")
+    assert cadd.name == "weaver-caddtree" and cadd.policy.cost_model is decoder.cost_model and cadd.call_ms > 0
+    ids = prompts(1, target.model.config.vocab_size)[0]
+    ar = generate_ar(target, ids, 16, stop_token_ids=()).tokens
+    for method in ("weaver-ddtree", "weaver-caddtree"):
+        seq = decoder.sequence(method, ids, max_new_tokens=16, stop_token_ids=())
+        while not seq.done:
+            seq.step()
+        assert seq.tokens == ar and seq.stats.method == method
+    other = Weaver(WeaverConfig(vocab_size=7, embed_size=3, drafter_hidden_size=5, max_depth=2, num_candidates=4))
+    save_weaver(other, tmp_path / "bad")
+    with pytest.raises(ValueError, match="does not fit"):
+        make_proposer("weaver-ddtree", target, drafter=drafter, weaver=tmp_path / "bad")
+
+
+def test_bench_runs_the_weaver_methods(tiny_checkpoint):
+    from drafttree.bench.methods import benchmark, parse_variants
+
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    drafter = random_drafter_for(target.model)
+    assert [v.name for v in parse_variants("weaver-ddtree,weaver-caddtree", "4,8")] == [
+        "ar", "weaver-ddtree-4", "weaver-ddtree-8", "weaver-caddtree"]
+    res = benchmark(target, {"tiny": prompts(1, target.model.config.vocab_size)}, ["weaver-ddtree", "weaver-caddtree"],
+                    drafter=drafter, budgets=(4,), max_new_tokens=12, cost_model=synthetic_cost_model(), chat=False,
+                    warmup_tokens=0, progress=False, weaver=weaver_for(target, drafter), weaver_width=2, stop_token_ids=())
+    rows = res["aggregates"]["tiny"]
+    assert rows["weaver-ddtree-4"]["mismatches"] == 0 and rows["weaver-caddtree"]["mismatches"] == 0
+
+
+WEAVER_SAMPLES = 800  # sample-and-match is lossless for any fixed tree: this checks the Weaver tree's plumbing, cheaply
+
+
+def test_weaver_sampling_matches_target(small_vocab_target):
+    from drafttree.sampling import SamplingParams
+
+    path, hf = small_vocab_target
+    target = load_target(str(path))
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    base = torch.tensor([3, 17, 5, 9])
+    prompt = torch.cat([base, torch.tensor(generate_ar(target, base, 8, stop_token_ids=()).tokens)])
+    p1, joint = exact_pair_distribution(hf, prompt, params)
+    drafter = random_drafter_for(target.model, block_size=4)
+    proposer = WeaverProposer(drafter, target.model, weaver_for(target, drafter, k=12), BestFirstPolicy(6), width=3)
+    first, pairs = torch.zeros(VOCAB), torch.zeros(VOCAB, VOCAB)
+    deep = 0
+    for i in range(WEAVER_SAMPLES):
+        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=i)
+        res = generate_speculative(target, prompt, proposer, max_new_tokens=3, sampling=sp, stop_token_ids=())
+        t1, t2, t3 = res.tokens
+        first[t1] += 1
+        pairs[t2, t3] += 1
+        deep += res.stats.accept_lengths[0] > 1
+    assert deep > WEAVER_SAMPLES // 20  # drafts were accepted, so deep tree sampling is exercised
+    assert chi2_pvalue(first, p1) > 1e-3
+    assert chi2_pvalue(pairs, joint) > 1e-3
+
+
+def test_smollm2_greedy_equals_ar():
+    """The shipped drafter (fp32) with a Weaver whose residual is random: one short real prompt."""
+    from drafttree.methods import load_drafter_for
+
+    target = load_target("smollm2-135m-instruct", dtype="float32", threads=1)
+    drafter = load_drafter_for(target)
+    weaver = weaver_for(target, drafter, k=32)
+    ids = target.encode_chat("What is 17 * 23?")
+    ar = generate_ar(target, ids, 12, stop_token_ids=()).tokens
+    for policy, width in ((BestFirstPolicy(16), 8), (CostAwarePolicy(synthetic_cost_model(), max_tree_nodes=32), 4)):
+        res = generate_speculative(target, ids, WeaverProposer(drafter, target.model, weaver, policy, width, call_ms=0.3),
+                                   12, stop_token_ids=())
+        assert res.tokens == ar
+
+
+from test_sampling_lossless import VOCAB, chi2_pvalue, exact_pair_distribution, small_vocab_target  # noqa: E402,F401
