@@ -23,8 +23,7 @@ def make_weaver(trained: bool, seed: int = 0, k: int = 16, layers: int = 2) -> W
                             num_layers=layers, num_heads=4, intermediate_size=40, num_candidates=k)).eval()
     if trained:  # a residual that actually reorders candidates
         with torch.no_grad():
-            w.to_embed.weight.normal_(0, 0.4)
-            w.other_bias.weight.normal_(0, 0.4)
+            w.readout.weight.normal_(0, 0.4)
     return w
 
 

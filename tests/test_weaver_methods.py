@@ -24,8 +24,7 @@ def weaver_for(target, drafter, trained: bool = True, seed: int = 0, k: int = 16
                             hidden_size=32, num_layers=1, num_heads=4, intermediate_size=48, num_candidates=k)).eval()
     if trained:  # a residual that changes the trees
         with torch.no_grad():
-            w.to_embed.weight.normal_(0, 0.5)
-            w.other_bias.weight.normal_(0, 0.5)
+            w.readout.weight.normal_(0, 0.5)
     return w
 
 
@@ -103,6 +102,25 @@ def test_bench_runs_the_weaver_methods(tiny_checkpoint):
                     warmup_tokens=0, progress=False, weaver=weaver_for(target, drafter), weaver_width=2, stop_token_ids=())
     rows = res["aggregates"]["tiny"]
     assert rows["weaver-ddtree-4"]["mismatches"] == 0 and rows["weaver-caddtree"]["mismatches"] == 0
+
+
+def test_replay_of_the_weaver_stream_matches_real_rounds(tiny_checkpoint):
+    """`drafttree replay --weaver-stream`: fixed budgets on the recorded Weaver stream replay weaver-ddtree exactly."""
+    from drafttree.bench.replay import FixedBudget, record_draft_streams, replay
+
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    drafter = random_drafter_for(target.model)
+    weaver = weaver_for(target, drafter)
+    cost = synthetic_cost_model()
+    ids = prompts(1, target.model.config.vocab_size, seed=3)[0]
+    streams = record_draft_streams(target, WeaverProposer(drafter, target.model, weaver, BestFirstPolicy(16), 2), ids, 20,
+                                   16, stop_token_ids=())
+    for budget in (4, 16):
+        real = generate_speculative(target, ids, WeaverProposer(drafter, target.model, weaver, BestFirstPolicy(budget), 2),
+                                    20, stop_token_ids=()).stats
+        rep = replay(streams, FixedBudget(budget), cost)
+        assert rep.tree_sizes == real.tree_sizes and rep.accept_lengths[:-1] == real.accept_lengths[:-1]
 
 
 WEAVER_SAMPLES = 800  # sample-and-match is lossless for any fixed tree: this checks the Weaver tree's plumbing, cheaply

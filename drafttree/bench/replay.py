@@ -90,14 +90,21 @@ def record_draft_streams(target, proposer, prompt_ids: torch.Tensor, max_new_tok
         q = P + s
         logits = proposer.draft(state, ar[s], q)
         on_path = [True]  # the root is AR's token
-        for j, node in enumerate(best_first_nodes(logits.log_softmax(-1), max_nodes,  # as the policies build trees
-                                                  getattr(proposer, "draft_token_ids", None))):
+        for j, node in enumerate(_node_stream(proposer, ar[s], logits, max_nodes)):
             ok = on_path[node.parent] and q + node.depth < seq.numel() and int(seq[q + node.depth]) == node.token
             on_path.append(ok)
             parents[s, j], node_tokens[s, j], depths[s, j], path_lp[s, j] = node.parent, node.token, node.depth, node.path_logprob
             matched[s, j] = node.depth if ok else 0
         proposer.advance(state, seq[q:q + 1], None if feats is None else feats[q:q + 1], q)
     return DraftStreams(P, ar, parents, node_tokens, depths, path_lp, matched)
+
+
+def _node_stream(proposer, root: int, drafted, max_nodes: int):
+    """The best-first stream the policies cut, as they build it: over the marginals, or (a Weaver proposer,
+    `--weaver-stream`) over Weaver's path probabilities at its width."""
+    if hasattr(proposer, "stream"):
+        return iter(proposer.stream(root, drafted, max_nodes))
+    return best_first_nodes(drafted.log_softmax(-1), max_nodes, getattr(proposer, "draft_token_ids", None))
 
 
 @dataclass
@@ -183,6 +190,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--out", default="runs/replay")
     p.add_argument("--streams", default=None, help="replay streams recorded earlier (an --out's streams.npz) instead of recording")
+    p.add_argument("--weaver-stream", action="store_true", help="record Weaver's stream (drafttree.weaver) instead of the "
+                   "marginals' heap: the fixed budgets are then weaver-ddtree and caddtree is weaver-caddtree without "
+                   "the Weaver's own call cost")
+    from ..cli import add_weaver_args
+
+    add_weaver_args(p)
 
 
 def markdown(results: dict) -> str:
@@ -275,11 +288,21 @@ def run(args) -> int:
         raise FileNotFoundError(f"no cost model at {cost_src}: run `drafttree profile` first (same --dtype/--threads)")
     cost_model = VerifyCostModel.load(cost_src)
     proposer = None if args.streams else DFlashProposer(load_drafter_for(target, args.drafter), target.model, ChainPolicy())
+    if proposer is not None and args.weaver_stream:
+        from ..methods import load_weaver_for
+        from ..proposers import BestFirstPolicy
+        from ..weaver import WeaverProposer
+
+        weaver = load_weaver_for(target, proposer.drafter, args.weaver)
+        proposer = WeaverProposer(proposer.drafter, target.model, weaver, BestFirstPolicy(args.max_tree_nodes),
+                                  args.weaver_width)
     policies = {f"ddtree-{b}": lambda b=b: FixedBudget(b) for b in budgets}
     policies["caddtree"] = lambda: CostAware(cost_model, args.max_tree_nodes)
     policies["caddtree+accept-scale"] = lambda: CostAware(cost_model, args.max_tree_nodes, adapt_acceptance=True)
     results = dict(config=dict(model=target.name, compute=target.compute_label, threads=torch.get_num_threads(), cost_model=str(cost_src),
-                               limit=args.limit, max_new_tokens=args.max_new_tokens), datasets={})
+                               limit=args.limit, max_new_tokens=args.max_new_tokens,
+                               stream=f"weaver (width {args.weaver_width})" if args.weaver_stream else "marginals"),
+                   datasets={})
     streams = load_streams(args.streams, datasets) if args.streams else record_all(target, proposer, datasets, args)
     results["datasets"] = {ds: {} for ds in datasets}
     for name, make in policies.items():

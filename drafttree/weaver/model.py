@@ -90,12 +90,14 @@ class Weaver(nn.Module):
         super().__init__()
         self.config = config
         W = config.hidden_size
-        self.in_proj = nn.Linear(config.embed_size + config.drafter_hidden_size, W, bias=False)
+        # W_in [E_t(x); h] as two halves: the tree builder projects a round's hidden states once (hidden_table)
+        self.token_proj = nn.Linear(config.embed_size, W, bias=False)
+        self.hidden_proj = nn.Linear(config.drafter_hidden_size, W, bias=False)
         self.depth_embedding = nn.Embedding(config.max_depth, W)  # nodes at depths 0..max_depth-1 have children
         self.layers = nn.ModuleList(WeaverLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(W, config.rms_norm_eps)
-        self.to_embed = nn.Linear(W, config.embed_size, bias=False)  # Q: s_u -> a query against candidate rows
-        self.other_bias = nn.Linear(W, 1, bias=False)  # v
+        # [Q; v] in one matmul: s_u -> a query against the candidate rows, and the "other" logit's offset
+        self.readout = nn.Linear(W, config.embed_size + 1, bias=False)
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -105,15 +107,17 @@ class Weaver(nn.Module):
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
         # the residual starts at exactly zero: an untrained Weaver is the drafter
-        nn.init.zeros_(self.to_embed.weight)
-        nn.init.zeros_(self.other_bias.weight)
+        nn.init.zeros_(self.readout.weight)
 
     # ---- inputs ----------------------------------------------------------------------------
     def node_inputs(self, token_embeds: torch.Tensor, drafter_hidden: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
         """e = W_in [E_t(x); h_{d+1}] + depth(d): token_embeds [..., E], drafter_hidden [..., Hd], depths [...]."""
-        dtype = self.in_proj.weight.dtype
-        x = torch.cat([token_embeds.to(dtype), drafter_hidden.to(dtype)], dim=-1)
-        return self.in_proj(x) + self.depth_embedding(depths)
+        dtype = self.token_proj.weight.dtype
+        return self.token_proj(token_embeds.to(dtype)) + self.hidden_table(drafter_hidden, depths)
+
+    def hidden_table(self, drafter_hidden: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """The input terms that depend on depth only: W_h h_{d+1} + depth(d)."""
+        return self.hidden_proj(drafter_hidden.to(self.hidden_proj.weight.dtype)) + self.depth_embedding(depths)
 
     # ---- whole paths (training, and the naive reference) ------------------------------------
     def forward_paths(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,10 +136,11 @@ class Weaver(nn.Module):
         """log p_W over C ∪ {other}: s [..., W], cand_logprobs [..., K] (the drafter's log-marginals of the
         candidates), log_rest [...] (log of its mass outside them), cand_embeds [..., K, E].
         Returns [..., K + 1], the last entry "other"."""
-        q = self.to_embed(s)
-        raw = torch.einsum("...e,...ke->...k", q, cand_embeds.to(q.dtype))
+        out = self.readout(s)
+        q, b = out[..., :-1], out[..., -1]
+        raw = (cand_embeds.to(q.dtype) @ q.unsqueeze(-1)).squeeze(-1)
         r = MAX_RESIDUAL * torch.tanh(raw / MAX_RESIDUAL)
-        b = MAX_RESIDUAL * torch.tanh(self.other_bias(s).squeeze(-1) / MAX_RESIDUAL)
+        b = MAX_RESIDUAL * torch.tanh(b / MAX_RESIDUAL)
         lp = cand_logprobs.to(r.dtype)
         scores = torch.cat([lp + r, (log_rest.to(r.dtype) + b).unsqueeze(-1)], dim=-1)
         # log Z = log(Σ m e^r + rest e^b) = log1p(Σ m (e^r - 1) + rest (e^b - 1)) since Σ m + rest = 1: exactly 0

@@ -36,6 +36,7 @@ class RoundInputs:
     cand_embeds: torch.Tensor  # [D, K, E] their rows of the target's embedding
     hidden: torch.Tensor  # [D, Hd] the drafter's hidden state predicting depth d+1
     embed: Callable[[torch.Tensor], torch.Tensor]  # token ids -> [n, E] (the target's embedding)
+    hidden_terms: torch.Tensor | None = None  # [D, W] Weaver's depth-only input terms, filled by the first call
 
     @property
     def depth(self) -> int:
@@ -64,7 +65,7 @@ class PathCache:
     def __init__(self, weaver: Weaver, capacity: int):
         cfg = weaver.config
         shape = (cfg.num_layers, capacity, cfg.num_heads, cfg.hidden_size // cfg.num_heads)
-        dtype = weaver.in_proj.weight.dtype
+        dtype = weaver.token_proj.weight.dtype
         self.k, self.v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
         self.ancestors: dict[int, list[int]] = {}  # node -> root-first path (ancestors and itself)
 
@@ -80,7 +81,9 @@ def expand(weaver: Weaver, inputs: RoundInputs, cache: PathCache, nodes: list[in
     index = torch.tensor([a + [0] * (longest - len(a)) for a in paths])  # padding points at the root, masked
     visible = (torch.arange(longest)[None, :] < torch.tensor([len(a) for a in paths])[:, None])[:, None, None, :]
     rows, d = torch.tensor(nodes), torch.tensor(depths)
-    h = weaver.node_inputs(inputs.embed(torch.tensor(tokens)), inputs.hidden[d], d)
+    if inputs.hidden_terms is None:  # the depth-only input terms, once per round
+        inputs.hidden_terms = weaver.hidden_table(inputs.hidden, torch.arange(inputs.depth))
+    h = weaver.token_proj(inputs.embed(torch.tensor(tokens)).to(weaver.token_proj.weight.dtype)) + inputs.hidden_terms[d]
     for i, layer in enumerate(weaver.layers):
         q, k, v = layer.project(h)  # [n, heads, head_dim]
         cache.k[i, rows], cache.v[i, rows] = k, v
