@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="docs/weaver/build_time.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    target = load_target("smollm2-135m-instruct", threads=a.threads)
+    target = load_target("smollm2-135m-instruct", compute="auto", threads=a.threads)
     drafter = load_drafter_for(target)
     weaver = load_weaver_for(target, drafter, a.weaver)
     timed = TimedBuilds(drafter, target.model, weaver, BestFirstPolicy(a.nodes), a.width, widths=(1, a.width))

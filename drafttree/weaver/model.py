@@ -182,6 +182,6 @@ def grouped_topk(x: torch.Tensor, k: int, group: int = 128):
 def drafter_candidates(logprobs: torch.Tensor, k: int):
     """Top-k of the drafter's log-marginals per row: (ids [..., k] target ids, log-probs [..., k] sorted
     descending, log of the mass outside them [...])."""
-    lp, ids = torch.topk(logprobs, k, dim=-1)
+    lp, ids = grouped_topk(logprobs, k)  # the values torch.topk gives, faster over a large vocabulary
     rest = (1.0 - lp.float().exp().sum(-1)).clamp(min=MIN_REST)
     return ids, lp.float(), rest.log()

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from ..tree import TreeNode
 from .model import Weaver, drafter_candidates
@@ -88,8 +87,9 @@ def expand(weaver: Weaver, inputs: RoundInputs, cache: PathCache, nodes: list[in
         q, k, v = layer.project(h)  # [n, heads, head_dim]
         cache.k[i, rows], cache.v[i, rows] = k, v
         keys, values = cache.k[i, index].transpose(1, 2), cache.v[i, index].transpose(1, 2)  # [n, heads, L, hd]
-        att = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible)
-        h = layer.finish(h, att[:, :, 0])
+        # one query per row against at most max_depth keys: plain matmuls beat SDPA's setup at this size
+        scores = (q[:, :, None] @ keys.transpose(-1, -2)).mul_(layer.head_dim ** -0.5).masked_fill_(~visible, -math.inf)
+        h = layer.finish(h, (scores.softmax(-1) @ values)[:, :, 0])
     s = weaver.norm(h)
     logp = weaver.candidate_logprobs(s, inputs.cand_logprobs[d], inputs.log_rest[d], inputs.cand_embeds[d])[:, :-1]  # "other" is no token
     values, order = logp.sort(dim=-1, descending=True, stable=True)  # stable: an untrained Weaver keeps the drafter's order
