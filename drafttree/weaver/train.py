@@ -85,7 +85,7 @@ def step_metrics(logp, cls, ids, labels, K: int) -> dict:
     """Per-depth counts: valid labels, Weaver top-1 right, drafter top-1 right, label among the K; and the
     chain τ (1 + leading run of right top-1 picks) summed over blocks, for both."""
     valid = labels >= 0
-    weaver_ok = (logp.argmax(-1) == cls) & (cls < K) & valid
+    weaver_ok = (logp[..., :K].argmax(-1) == cls) & valid  # "other" is no token: a tree places a candidate
     drafter_ok = (ids[..., 0] == labels) & valid
     return {"valid": valid.sum(0), "weaver": weaver_ok.sum(0), "drafter": drafter_ok.sum(0),
             "in_k": ((cls < K) & valid).sum(0),
