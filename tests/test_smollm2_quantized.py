@@ -53,7 +53,9 @@ def test_quantized_path_stays_close_to_the_dequantized_model(smollm2, smollm2_in
 def test_speculative_greedy_equals_ar_on_the_same_path(smollm2_int8, int8_ar_outputs, make_policy):
     proposer = DFlashProposer(load_drafter_for(smollm2_int8), smollm2_int8.model, make_policy())
     accepted = 0
-    for ids, ar in int8_ar_outputs:
+    # 8 of the 20 prompts per path: integer accumulation makes the paths batch-invariant by construction
+    # (tests/ops), so more prompts add minutes, not coverage; `drafttree check-lossless` runs whole sets
+    for ids, ar in int8_ar_outputs[:8]:
         res = generate_speculative(smollm2_int8, ids, proposer, max_new_tokens=64, stop_token_ids=())
         assert res.tokens == ar
         accepted += sum(res.stats.accept_lengths) - len(res.stats.accept_lengths)

