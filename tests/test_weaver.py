@@ -71,6 +71,33 @@ def test_batched_cached_stream_matches_the_naive_reference(seed):
     assert rows(fast) != rows(list(best_first_nodes(make_round(weaver, seed)[0].log_softmax(-1), 40)))
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("width", [4, 8])
+def test_lookahead_stream_is_exact_best_first_with_fewer_calls(seed, width):
+    from drafttree.weaver.tree import LookaheadWeaverStream
+
+    weaver = make_weaver(trained=True, seed=seed)
+    _, inputs = make_round(weaver, seed)
+    with torch.no_grad():
+        exact = WeaverStream(weaver, inputs, 0, 64, 1)
+        ahead = LookaheadWeaverStream(weaver, inputs, 0, 64, width)
+        assert rows(list(ahead)) == rows(list(exact))
+        assert ahead.calls < 0.7 * exact.calls
+        assert rows(list(LookaheadWeaverStream(weaver, inputs, 0, 30, 1))) == rows(list(exact))[:30]
+
+
+def test_first_scored_depth_keeps_the_drafters_marginals_at_the_root():
+    weaver = make_weaver(trained=True, seed=0)
+    weaver.config.first_scored_depth = 1
+    logits, inputs = make_round(weaver, 0)
+    with torch.no_grad():
+        nodes = list(WeaverStream(weaver, inputs, 3, 30, 1))
+        ref = weaver_nodes_reference(weaver, inputs, 3, 30)
+    ddtree = {(n.token, n.logprob) for n in best_first_nodes(logits.log_softmax(-1), 30) if n.depth == 1}
+    assert {(n.token, n.logprob) for n in nodes if n.depth == 1} <= ddtree
+    assert rows(nodes) == rows(ref)
+
+
 @pytest.mark.parametrize("width", [2, 8])
 def test_width_w_expansion(width):
     weaver = make_weaver(trained=True, seed=1)

@@ -40,6 +40,9 @@ class WeaverConfig:
     intermediate_size: int = 512
     num_candidates: int = 32  # K
     rms_norm_eps: float = 1e-6
+    # children of nodes shallower than this keep the drafter's marginals: at the root Weaver sees no more than
+    # the drafter did (the root token and h_1), and there a residual can only overfit
+    first_scored_depth: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_size", "drafter_hidden_size", "max_depth", "hidden_size", "num_layers",
@@ -47,6 +50,9 @@ class WeaverConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"weaver config: {name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.first_scored_depth, bool) or not isinstance(self.first_scored_depth, int) \
+                or self.first_scored_depth < 0:
+            raise ValueError(f"weaver config: first_scored_depth must be an integer >= 0, got {self.first_scored_depth!r}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"weaver config: hidden_size {self.hidden_size} is not a multiple of num_heads "
                              f"{self.num_heads}")

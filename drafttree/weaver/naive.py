@@ -19,6 +19,8 @@ def child_distribution(weaver: Weaver, inputs: RoundInputs, path_tokens: list[in
     s = weaver.forward_paths(x[None])[0, -1]
     d = len(path_tokens) - 1
     logp = weaver.candidate_logprobs(s, inputs.cand_logprobs[d], inputs.log_rest[d], inputs.cand_embeds[d])[:-1]  # "other" is no token
+    if d < weaver.config.first_scored_depth:  # the drafter's own marginals there
+        logp = inputs.cand_logprobs[d]
     values, order = logp.sort(dim=-1, descending=True, stable=True)
     return values.tolist(), inputs.cand_ids[d][order].tolist()
 

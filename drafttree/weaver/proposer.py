@@ -18,7 +18,7 @@ from ..costmodel import caddtree_select
 from ..proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer
 from ..tree import DraftTree
 from .model import Weaver
-from .tree import RoundInputs, WeaverStream, round_inputs
+from .tree import LookaheadWeaverStream, RoundInputs, WeaverStream, round_inputs
 
 
 @dataclass
@@ -32,7 +32,8 @@ class WeaverDraft:
 
 
 class WeaverProposer:
-    def __init__(self, drafter, target_model, weaver: Weaver, policy, width: int = 8, call_ms: float | None = None):
+    def __init__(self, drafter, target_model, weaver: Weaver, policy, width: int = 8, call_ms: float | None = None,
+                 lookahead: bool = True):
         if not isinstance(policy, (BestFirstPolicy, CostAwarePolicy)) or getattr(policy, "recalibrate", False):
             raise ValueError("a Weaver proposer takes a fixed budget (BestFirstPolicy) or CaDDTree's stop (CostAwarePolicy "
                              "without recalibration)")
@@ -40,11 +41,14 @@ class WeaverProposer:
             raise ValueError(f"--weaver-width must be an integer >= 1, got {width!r}")
         self.inner = DFlashProposer(drafter, target_model, policy)
         self.drafter, self.model, self.policy, self.weaver, self.width = drafter, target_model, policy, weaver, width
+        # lookahead: w=1's exact order with up to w rows per call; else the paper's pop-w-then-expand steps
+        self.stream_class = LookaheadWeaverStream if lookahead else WeaverStream
         self.capture_layers, self.max_nodes = self.inner.capture_layers, self.inner.max_nodes
         self.draft_depth = min(self.inner.draft_depth, weaver.config.max_depth)
         self.name = "weaver-" + policy.name
         self.cost_aware = isinstance(policy, CostAwarePolicy)
-        self.call_ms = (call_ms if call_ms is not None else measure_call_ms(weaver, width)) if self.cost_aware else 0.0
+        self.call_ms = (call_ms if call_ms is not None else measure_call_ms(weaver, width, stream_class=self.stream_class)) \
+            if self.cost_aware else 0.0
 
     def begin(self, prompt_ids, prompt_features, clock=time.perf_counter):
         return self.inner.begin(prompt_ids, prompt_features, clock)
@@ -58,7 +62,7 @@ class WeaverProposer:
 
     def stream(self, root: int, drafted: WeaverDraft, max_nodes: int | None = None) -> WeaverStream:
         inputs = round_inputs(self.weaver, drafted.logits, drafted.hidden, self.model.embed, drafted.token_ids)
-        return WeaverStream(self.weaver, inputs, root, self.max_nodes if max_nodes is None else max_nodes, self.width)
+        return self.stream_class(self.weaver, inputs, root, self.max_nodes if max_nodes is None else max_nodes, self.width)
 
     def build_tree(self, state, root: int, drafted: WeaverDraft, start: int) -> DraftTree:
         stream = self.stream(root, drafted)
@@ -74,7 +78,8 @@ class WeaverProposer:
 
 
 @torch.inference_mode()
-def measure_call_ms(weaver: Weaver, width: int, nodes: int = 64, repeats: int = 3, seed: int = 0) -> float:
+def measure_call_ms(weaver: Weaver, width: int, nodes: int = 64, repeats: int = 3, seed: int = 0,
+                    stream_class=LookaheadWeaverStream) -> float:
     """Median ms of one Weaver call expanding `width` nodes, on a synthetic round (random drafter outputs of
     the Weaver's own shapes), measured over whole `nodes`-node builds so Python overhead counts too."""
     cfg = weaver.config
@@ -88,7 +93,7 @@ def measure_call_ms(weaver: Weaver, width: int, nodes: int = 64, repeats: int = 
                          torch.randn(D, cfg.drafter_hidden_size, generator=g), lambda ids: table[ids])
     times = []
     for _ in range(repeats + 1):  # the first build warms allocations up
-        stream = WeaverStream(weaver, inputs, 0, nodes, width)
+        stream = stream_class(weaver, inputs, 0, nodes, width)
         t0 = time.perf_counter()
         for _ in stream:
             pass

@@ -59,7 +59,8 @@ def round_inputs(weaver: Weaver, logits: torch.Tensor, hidden: torch.Tensor, emb
 
 
 class PathCache:
-    """Per-layer keys/values of every expanded node of one tree, indexed by tree node (0 = root)."""
+    """Per-layer keys/values of every expanded node of one tree, indexed by tree node (0 = root) or, for the
+    look-ahead stream, by slot (nodes scored before they are emitted get slots too)."""
 
     def __init__(self, weaver: Weaver, capacity: int):
         cfg = weaver.config
@@ -67,6 +68,11 @@ class PathCache:
         dtype = weaver.token_proj.weight.dtype
         self.k, self.v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
         self.ancestors: dict[int, list[int]] = {}  # node -> root-first path (ancestors and itself)
+
+    def ensure(self, rows: int) -> None:
+        if rows > self.k.shape[1]:
+            grow = lambda t: torch.cat([t, torch.zeros_like(t)[:, : max(rows - t.shape[1], t.shape[1])]], 1)
+            self.k, self.v = grow(self.k), grow(self.v)
 
 
 def expand(weaver: Weaver, inputs: RoundInputs, cache: PathCache, nodes: list[int], parents: list[int],
@@ -92,6 +98,9 @@ def expand(weaver: Weaver, inputs: RoundInputs, cache: PathCache, nodes: list[in
         h = layer.finish(h, (scores.softmax(-1) @ values)[:, :, 0])
     s = weaver.norm(h)
     logp = weaver.candidate_logprobs(s, inputs.cand_logprobs[d], inputs.log_rest[d], inputs.cand_embeds[d])[:, :-1]  # "other" is no token
+    shallow = d < weaver.config.first_scored_depth
+    if shallow.any():
+        logp = torch.where(shallow[:, None], inputs.cand_logprobs[d], logp)
     values, order = logp.sort(dim=-1, descending=True, stable=True)  # stable: an untrained Weaver keeps the drafter's order
     return values.tolist(), inputs.cand_ids[d].gather(1, order).tolist()
 
@@ -152,3 +161,87 @@ class WeaverStream:
                     new.append(node)
             if new and emitted < self.max_nodes:  # first children wait for this step's batched call
                 expand_nodes(new, [parent_of[u] for u in new])
+
+
+class LookaheadWeaverStream(WeaverStream):
+    """Exact best-first order under Weaver's path probabilities (the w = 1 stream's nodes, in its order), with
+    up to `width` rows per Weaver call. Popping the w best entries at once (WeaverStream) places nodes before
+    the first children still waiting for the call, which at small budgets turns the tree into a fan of
+    depth-1 siblings; here a call is made only when the node just emitted needs its children scored, and it
+    also scores the nodes most likely to need it next: the best heap entries and the node's likely line of
+    descent under the drafter's marginals (each row attends to rows of the same call that are its
+    ancestors). A node emitted later finds its children already scored and costs no call."""
+
+    def __iter__(self) -> Iterator[TreeNode]:
+        if self.max_nodes == 0:
+            return
+        inputs, D, extra = self.inputs, self.inputs.depth, self.width - 1
+        cache = PathCache(self.weaver, 2 * self.max_nodes + self.width + 1)
+        s_tok, s_depth, s_parent = [], [], []  # per slot
+        dist: dict[int, tuple[list[float], list[int]]] = {}  # slot -> its children's log-probs and ids
+        spec: dict[tuple[int, int], int] = {}  # (parent slot, token) -> slot: scored before being emitted
+        top_lp, top_id = inputs.cand_logprobs[:, 0].tolist(), inputs.cand_ids[:, 0].tolist()
+        node_slot, weights, ranks = [0], [0.0], [()]
+        heap: list = []
+
+        def new_slot(parent: int, token: int, depth: int) -> int:
+            s_tok.append(token), s_depth.append(depth), s_parent.append(parent)
+            return len(s_tok) - 1
+
+        def score(slot: int, weight: float) -> None:
+            """One call: `slot` (emitted, unscored) and up to width-1 nodes likely to be needed next."""
+            picks = []  # (priority, parent slot, token, depth, chain)
+            if extra:
+                for neg_w, _, p_node, r in heapq.nsmallest(extra, heap):
+                    ps = node_slot[p_node]
+                    tok, d = dist[ps][1][r], s_depth[ps] + 1
+                    if d < D and (ps, tok) not in spec and neg_w != math.inf:
+                        picks.append((-neg_w, ps, tok, d, False))
+                pw, d = weight, s_depth[slot]
+                while d + 1 < D and len(picks) < 2 * extra:  # the drafter's best line below the node
+                    pw += top_lp[d]
+                    picks.append((pw, None, top_id[d], d + 1, True))
+                    d += 1
+                picks.sort(key=lambda x: -x[0])
+            rows, parent = [slot], slot
+            chain = [x for x in picks[:extra] if x[4]]
+            for _, ps, tok, d, is_chain in picks[:extra]:
+                if not is_chain:
+                    rows.append(new_slot(ps, tok, d))
+            for _, _, tok, d, _ in sorted(chain, key=lambda x: x[3]):  # parents first (a chain pick implies its prefix)
+                parent = new_slot(parent, tok, d)
+                rows.append(parent)
+            cache.ensure(len(s_tok))
+            lps, ids = expand(self.weaver, inputs, cache, rows, [s_parent[x] for x in rows], [s_tok[x] for x in rows],
+                              [s_depth[x] for x in rows])
+            self.calls += 1
+            for x, lp, i in zip(rows, lps, ids):
+                dist[x] = (lp, i)
+                if x != slot:
+                    spec[(s_parent[x], s_tok[x])] = x
+
+        root = new_slot(-1, self.root, 0)
+        score(root, 0.0)
+        heapq.heappush(heap, (-dist[root][0][0], (0,), 0, 0))
+        emitted = 0
+        while heap and emitted < self.max_nodes:
+            neg_w, path_ranks, p_node, r = heapq.heappop(heap)
+            w = -neg_w
+            if w == -math.inf:  # only impossible prefixes remain
+                return
+            ps = node_slot[p_node]
+            lp, ids = dist[ps]
+            tok, d = ids[r], s_depth[ps] + 1
+            emitted += 1
+            node = emitted
+            slot = spec.pop((ps, tok), None)
+            if slot is None:
+                slot = new_slot(ps, tok, d)
+            node_slot.append(slot), weights.append(w), ranks.append(path_ranks)
+            yield TreeNode(p_node, tok, d, lp[r], w)
+            if r + 1 < len(lp):  # next sibling: its probability is already known
+                heapq.heappush(heap, (-(weights[p_node] + lp[r + 1]), path_ranks[:-1] + (r + 1,), p_node, r + 1))
+            if d < D and emitted < self.max_nodes:
+                if slot not in dist:
+                    score(slot, w)
+                heapq.heappush(heap, (-(w + dist[slot][0][0]), path_ranks + (0,), node, 0))
