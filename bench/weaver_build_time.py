@@ -1,10 +1,10 @@
 """Weaver tree build time, width w = 8 against the sequential w = 1, on real rounds, and τ of both.
 
 Decodes a few GSM8K / HumanEval / MT-Bench prompts greedily with weaver-ddtree (the trees verified are the
-width-`--width` ones); at every round the same drafter output is also built at width 1, and the DDTree heap
-over the marginals, each timed (median of `--repeats`). Reports median build ms per round for 64-node trees,
-the number of Weaver calls, and τ of each width from separate greedy decodes (exact: greedy τ depends on the
-trees only).
+width-`--width` look-ahead ones); at every round the same drafter output is also built at width 1, with the
+paper's pop-w steps at width w ("pop"), and by the DDTree heap over the marginals, each timed (median of 3).
+Reports median build ms per round for full-size trees, the number of Weaver calls, and τ of each from
+separate greedy decodes (exact: greedy τ depends on the trees only).
 
   .venv/bin/python bench/weaver_build_time.py --threads 1 --limit 2 --out docs/weaver/build_time.json
 """
@@ -27,6 +27,7 @@ from drafttree.methods import load_drafter_for, load_weaver_for
 from drafttree.proposers import BestFirstPolicy
 from drafttree.tree import best_first_nodes
 from drafttree.weaver import WeaverProposer
+from drafttree.weaver.tree import WeaverStream
 
 
 class TimedBuilds(WeaverProposer):
@@ -45,7 +46,10 @@ class TimedBuilds(WeaverProposer):
             for _ in range(self.repeats):
                 t0 = time.perf_counter()
                 stream = self.stream(root, drafted)
-                stream.width = w
+                if w == "pop":  # the paper's steps: pop `width` entries, then one call for them
+                    stream = WeaverStream(stream.weaver, stream.inputs, stream.root, stream.max_nodes, self.width)
+                else:
+                    stream.width = w
                 n = sum(1 for _ in stream)
                 times.append((time.perf_counter() - t0) * 1e3)
             if n == self.max_nodes:  # full-size trees only (the end of a reply cuts them)
@@ -74,15 +78,16 @@ def main(argv=None) -> int:
     target = load_target("smollm2-135m-instruct", compute="auto", threads=a.threads)
     drafter = load_drafter_for(target)
     weaver = load_weaver_for(target, drafter, a.weaver)
-    timed = TimedBuilds(drafter, target.model, weaver, BestFirstPolicy(a.nodes), a.width, widths=(1, a.width))
-    taus = {1: [], a.width: []}
+    timed = TimedBuilds(drafter, target.model, weaver, BestFirstPolicy(a.nodes), a.width, widths=(1, a.width, "pop"))
+    taus = {1: [], a.width: [], "pop": []}
     for ds in ("gsm8k", "humaneval", "mtbench"):
         for text in load_prompts(ds, a.limit):
             ids = target.encode_chat(text)
             generate_speculative(target, ids, timed, a.max_new_tokens)
             for w in taus:
-                res = generate_speculative(target, ids, WeaverProposer(drafter, target.model, weaver,
-                                                                       BestFirstPolicy(a.nodes), w), a.max_new_tokens)
+                proposer = (WeaverProposer(drafter, target.model, weaver, BestFirstPolicy(a.nodes), a.width, lookahead=False)
+                            if w == "pop" else WeaverProposer(drafter, target.model, weaver, BestFirstPolicy(a.nodes), w))
+                res = generate_speculative(target, ids, proposer, a.max_new_tokens)
                 taus[w].append(res.stats.tau)
     w = a.width
     out = dict(nodes=a.nodes, width=w, rounds=len(timed.ms[1]), threads=a.threads, compute=target.compute_label,
