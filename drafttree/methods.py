@@ -1,5 +1,6 @@
 """Decoding methods by name: `ar`, `chain`, `ddtree`, `caddtree`, `caddtree-online`, with retrieval branches
-(drafttree.lookup) `lookup` (no drafter), `lookup-ddtree`, `lookup-caddtree`, and with Weaver's path-conditioned
+(drafttree.lookup) `lookup` (no drafter), `lookup-ddtree`, `lookup-caddtree`, `lookup-caddtree-online` (with
+caddtree-online's draft gate: lookup-only rounds where the drafter does not pay), and with Weaver's path-conditioned
 trees (drafttree.weaver) `weaver-ddtree`, `weaver-caddtree` — the one place the CLI, the demo,
 the benchmark and the server turn a method name into a generation call."""
 from __future__ import annotations
@@ -16,8 +17,9 @@ from .sampling import SamplingParams
 from .target import Target
 
 METHODS = ("ar", "chain", "ddtree", "caddtree", "caddtree-online", "lookup", "lookup-ddtree", "lookup-caddtree",
-           "weaver-ddtree", "weaver-caddtree")
-COST_AWARE = ("caddtree", "caddtree-online", "lookup-caddtree", "weaver-caddtree")  # need the machine's cost model
+           "lookup-caddtree-online", "weaver-ddtree", "weaver-caddtree")
+COST_AWARE = ("caddtree", "caddtree-online", "lookup-caddtree", "lookup-caddtree-online",
+              "weaver-caddtree")  # need the machine's cost model
 WEAVER_METHODS = ("weaver-ddtree", "weaver-caddtree")  # need a trained Weaver beside the drafter
 DEFAULT_WEAVER_WIDTH = 8  # Weaver expands this many nodes per call
 NO_DRAFTER = ("ar", "lookup")  # run without a drafter

@@ -261,6 +261,9 @@ def make_proposers(target):
         "lookup-caddtree": LookupDFlashProposer(dflash(CostAwarePolicy(synthetic_cost_model(), max_tree_nodes=32))),
         "lookup-caddtree-online": LookupDFlashProposer(dflash(CostAwarePolicy(synthetic_cost_model(), max_tree_nodes=32,
                                                                               recalibrate=True))),
+        "lookup-caddtree-online-gated": LookupDFlashProposer(  # the method: plain (lookup-only) rounds by the gate
+            DFlashProposer(drafter, model, CostAwarePolicy(synthetic_cost_model(), max_tree_nodes=32, recalibrate=True),
+                           gate=True)),
         "lookup-caddtree-always-draft": LookupDFlashProposer(
             dflash(CostAwarePolicy(synthetic_cost_model(), max_tree_nodes=32)), skip_drafter=False),
     }

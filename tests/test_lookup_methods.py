@@ -25,8 +25,8 @@ def test_methods_are_registered(tiny_checkpoint):
 
     path, _ = tiny_checkpoint
     target = load_target(str(path))
-    assert {"lookup", "lookup-ddtree", "lookup-caddtree"} <= set(METHODS)
-    assert "lookup-caddtree" in COST_AWARE and "lookup" in NO_DRAFTER
+    assert {"lookup", "lookup-ddtree", "lookup-caddtree", "lookup-caddtree-online"} <= set(METHODS)
+    assert {"lookup-caddtree", "lookup-caddtree-online"} <= set(COST_AWARE) and "lookup" in NO_DRAFTER
     # no drafter ships for the tiny model: `lookup` must not ask for one
     assert make_proposer("lookup", target, budget=5).max_nodes == 5
     assert Decoder(target, budget=7).proposer("lookup").name == "lookup"
@@ -38,7 +38,9 @@ def test_methods_are_registered(tiny_checkpoint):
     assert (cadd.name, cadd.max_nodes) == ("lookup-caddtree", 24) and cadd.policy.cost_model is decoder.cost_model
     ids = repetitive_prompts(target.model.config.vocab_size, n=1)[0]
     ar = generate("ar", target, ids, 20, stop_token_ids=()).tokens
-    for method in ("lookup", "lookup-ddtree", "lookup-caddtree"):
+    online = decoder.proposer("lookup-caddtree-online")  # caddtree-online's recalibration and draft gate inside
+    assert online.name == "lookup-caddtree-online" and online.dflash.gate and online.policy.recalibrate
+    for method in ("lookup", "lookup-ddtree", "lookup-caddtree", "lookup-caddtree-online"):
         seq = decoder.sequence(method, ids, max_new_tokens=20, stop_token_ids=())
         while not seq.done:
             seq.step()

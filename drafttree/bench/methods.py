@@ -39,7 +39,7 @@ DATASETS = ("humaneval", "gsm8k", "mtbench", "copy")  # every prompt set a run m
 DEFAULT_DATASETS = ("humaneval", "gsm8k", "mtbench")  # what a run without --datasets measures
 DEFAULT_OUT = "runs/bench-methods"
 BUDGETED = ("ddtree", "lookup-ddtree", "weaver-ddtree")  # run once per --budgets entry
-POINT_MARKERS = {"chain": "^", "caddtree": "*", "caddtree-online": "P", "lookup": "v", "lookup-caddtree": "X",
+POINT_MARKERS = {"chain": "^", "caddtree": "*", "caddtree-online": "P", "lookup": "v", "lookup-caddtree": "X", "lookup-caddtree-online": "d",
                  "weaver-caddtree": "D"}
 
 
