@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job on the embedded default model")
     _add_model_args(d)
     d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--method", default="caddtree-online", choices=list(METHODS))
+    d.add_argument("--method", default="lookup-caddtree-online", choices=list(METHODS))
     d.add_argument("--budget", type=int, default=16)
     d.add_argument("--drafter", default=None, help="drafter directory (default: the one shipped for the model)")
     add_weaver_args(d)

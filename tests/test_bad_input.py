@@ -389,7 +389,7 @@ def model_dir(tmp_path):
 
 
 @pytest.mark.parametrize("argv, fix", [
-    (["generate", "hi", "--method", "caddtree"], None), (["demo"], None),  # demo: caddtree-online by default
+    (["generate", "hi", "--method", "caddtree"], None), (["demo"], None),  # demo: lookup-caddtree-online by default
     (["bench", "--methods", "ar,caddtree", "--limit", "1", "--out", "{tmp}/out"], "--cost-model FILE"),
     (["check-lossless", "--methods", "caddtree-online", "--limit", "1", "--out", "{tmp}/out"], None),
     (["profile"], "--out FILE"),
