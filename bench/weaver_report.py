@@ -27,6 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--w1", default=None, help="bench run of weaver-ddtree with --weaver-width 1")
     ap.add_argument("--build", default=None, help="bench/weaver_build_time.py JSON")
     ap.add_argument("--training", default=None, help="the Weaver's metrics.json")
+    ap.add_argument("--step", type=int, default=None, help="the shipped checkpoint's step (default: the last check)")
     ap.add_argument("--out", default="docs/weaver")
     a = ap.parse_args(argv)
     out = Path(a.out)
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
                   f"pop-{b['width']} {b['tau_mean']['pop']:.3f}; {b['prompts']} prompts."]
     if a.training:
         m = json.loads(Path(a.training).read_text())
-        first, last = m["held_out"][0], m["held_out"][-1]
+        first, last = m["held_out"][0], next((h for h in m["held_out"] if h["step"] == a.step), m["held_out"][-1])
         lines += ["", f"Training (held-out blocks, teacher forcing): loss {first['loss']:.3f} → {last['loss']:.3f}; "
                   f"greedy-chain τ drafter {last['tau_drafter']:.3f}, Weaver {last['tau_weaver']:.3f} "
                   f"(step {last['step']}); top-1 at depth 1/2/4/8: drafter "
