@@ -75,8 +75,9 @@ def check(target, methods, prompts_by_set: dict, max_new_tokens: int = 256, draf
         from ..methods import load_weaver_for
 
         weaver = load_weaver_for(target, drafter, weaver)  # once for both weaver-* methods
-    proposers = {m: make_proposer(m, target, drafter=drafter, budget=budget, cost_model=cost_model, weaver=weaver,
-                                  weaver_width=weaver_width) for m in methods}
+    proposers = {m: make_proposer(m, target, drafter=drafter, budget=budget, cost_model=cost_model,
+                                  **(dict(weaver=weaver, weaver_width=weaver_width) if m.startswith("weaver-") else {}))
+                 for m in methods}
     results = {}
     total = sum(len(p) for p in prompts_by_set.values()) * len(methods)
     bar = tqdm(total=total, desc="lossless check", unit="run", disable=not progress)
@@ -175,7 +176,8 @@ def run(a) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "records.jsonl", "w") as records:
         results = check(target, methods, prompts, a.max_new_tokens, drafter, cost_model, records=records,
-                        budget=a.budget, weaver=a.weaver, weaver_width=a.weaver_width)
+                        budget=a.budget, weaver=getattr(a, "weaver", None),
+                        weaver_width=getattr(a, "weaver_width", 8))
     config = dict(model=target.name, compute=getattr(target, "compute_label", compute_of(a)), max_new_tokens=a.max_new_tokens, threads=torch.get_num_threads(),
                   drafter=a.drafter or "shipped", sets={d: len(p) for d, p in prompts.items()})
     atomic_write_text(out / "results.json", json.dumps(dict(config=config, results=results), indent=1) + "\n")

@@ -147,7 +147,8 @@ def benchmark(target, prompts_by_dataset: dict, methods=METHODS, *, drafter=None
             weaver = load_weaver_for(target, drafter, weaver)  # loaded once for every weaver-* variant
     proposers = {v.name: given.get(v.name) or make_proposer(v.method, target, drafter=drafter, budget=v.budget or 16,
                                                             cost_model=cost_model, max_tree_nodes=max_tree_nodes,
-                                                            weaver=weaver, weaver_width=weaver_width)
+                                                            **(dict(weaver=weaver, weaver_width=weaver_width)
+                                                               if v.method.startswith("weaver-") else {}))
                  for v in variants if v.method != "ar"}
     prompts = {ds: [_prompt_ids(target, p, chat) for p in ps] for ds, ps in prompts_by_dataset.items()}
     if not any(prompts.values()):
@@ -526,8 +527,9 @@ def run(args) -> int:
             cost_model_src = str(cost_model_path(target))
     config = dict(model=target.name, compute=target.compute_label, threads=torch.get_num_threads(),
                   drafter=str(args.drafter) if args.drafter else ("shipped" if drafter is not None else None),
-                  cost_model=cost_model_src, weaver=(str(args.weaver) if args.weaver else "shipped") if any(
-                      v.method.startswith("weaver-") for v in variants) else None, weaver_width=args.weaver_width,
+                  cost_model=cost_model_src, weaver=(str(args.weaver) if getattr(args, "weaver", None) else "shipped") if any(
+                      v.method.startswith("weaver-") for v in variants) else None,
+                  weaver_width=getattr(args, "weaver_width", 8),
                   datasets=datasets, limit=args.limit, torch=torch.__version__,
                   python=platform.python_version(), machine=platform.machine(), processor=platform.processor() or None,
                   cpu_count=os.cpu_count(), git_commit=_git_commit(),
@@ -539,7 +541,8 @@ def run(args) -> int:
                         max_new_tokens=args.max_new_tokens, sampling=sampling, cost_model=cost_model,
                         max_tree_nodes=args.max_tree_nodes, chat=not args.no_chat, warmup_tokens=args.warmup_tokens,
                         out_dir=args.out, progress=not args.no_progress, config=config,
-                        log=lambda m: print(m, file=sys.stderr), weaver=args.weaver, weaver_width=args.weaver_width)
+                        log=lambda m: print(m, file=sys.stderr), weaver=getattr(args, "weaver", None),
+                        weaver_width=getattr(args, "weaver_width", 8))
     print(markdown_report(results))
     lines = mismatch_lines(results)
     for line in lines:

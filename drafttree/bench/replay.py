@@ -288,20 +288,21 @@ def run(args) -> int:
         raise FileNotFoundError(f"no cost model at {cost_src}: run `drafttree profile` first (same --dtype/--threads)")
     cost_model = VerifyCostModel.load(cost_src)
     proposer = None if args.streams else DFlashProposer(load_drafter_for(target, args.drafter), target.model, ChainPolicy())
-    if proposer is not None and args.weaver_stream:
+    if proposer is not None and getattr(args, "weaver_stream", False):
         from ..methods import load_weaver_for
         from ..proposers import BestFirstPolicy
         from ..weaver import WeaverProposer
 
-        weaver = load_weaver_for(target, proposer.drafter, args.weaver)
+        weaver = load_weaver_for(target, proposer.drafter, getattr(args, "weaver", None))
         proposer = WeaverProposer(proposer.drafter, target.model, weaver, BestFirstPolicy(args.max_tree_nodes),
-                                  args.weaver_width)
+                                  getattr(args, "weaver_width", 8))
     policies = {f"ddtree-{b}": lambda b=b: FixedBudget(b) for b in budgets}
     policies["caddtree"] = lambda: CostAware(cost_model, args.max_tree_nodes)
     policies["caddtree+accept-scale"] = lambda: CostAware(cost_model, args.max_tree_nodes, adapt_acceptance=True)
     results = dict(config=dict(model=target.name, compute=target.compute_label, threads=torch.get_num_threads(), cost_model=str(cost_src),
                                limit=args.limit, max_new_tokens=args.max_new_tokens,
-                               stream=f"weaver (width {args.weaver_width})" if args.weaver_stream else "marginals"),
+                               stream=f"weaver (width {getattr(args, 'weaver_width', 8)})" if getattr(args, "weaver_stream", False)
+                               else "marginals"),
                    datasets={})
     streams = load_streams(args.streams, datasets) if args.streams else record_all(target, proposer, datasets, args)
     results["datasets"] = {ds: {} for ds in datasets}

@@ -100,7 +100,8 @@ def cmd_serve(a) -> int:
     target = load_target(a.model, compute=compute_of(a), threads=a.threads)
     if target.tokenizer is None:
         raise InputError(f"{a.model} has no tokenizer files: the server reads and writes text")
-    decoder = Decoder(target, drafter=a.drafter, budget=a.budget, weaver=a.weaver, weaver_width=a.weaver_width)
+    decoder = Decoder(target, drafter=a.drafter, budget=a.budget, weaver=getattr(a, "weaver", None),
+                      weaver_width=getattr(a, "weaver_width", 8))
     methods = available_methods(decoder, a.method)
     if not a.no_warmup:
         warm_up(decoder, target, a.method)

@@ -70,12 +70,19 @@ def synthetic_cost_model():
 
 @pytest.fixture(scope="session")
 def tiny_decoder(tiny_target):
-    """The real Decoder on the tiny model, with a random DFlash drafter (its drafts are rarely accepted)."""
+    """The real Decoder on the tiny model, with a random DFlash drafter (its drafts are rarely accepted) and an
+    untrained Weaver (the weaver-* methods)."""
     from drafttree.methods import Decoder
+    from drafttree.weaver import Weaver, WeaverConfig
     from spec_helpers import random_drafter_for
 
-    return Decoder(tiny_target, drafter=random_drafter_for(tiny_target.model), budget=8, max_tree_nodes=32,
-                   cost_model=synthetic_cost_model())
+    drafter = random_drafter_for(tiny_target.model)
+    cfg = tiny_target.model.config
+    weaver = Weaver(WeaverConfig(vocab_size=cfg.vocab_size, embed_size=cfg.hidden_size,
+                                 drafter_hidden_size=drafter.config.hidden_size, max_depth=drafter.config.block_size - 1,
+                                 hidden_size=32, num_heads=4, intermediate_size=32, num_candidates=16)).eval()
+    return Decoder(tiny_target, drafter=drafter, budget=8, max_tree_nodes=32, cost_model=synthetic_cost_model(),
+                   weaver=weaver)
 
 
 class CopyDecoder:
