@@ -33,7 +33,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     drafter = load_drafter(SHIPPED_DRAFTERS["smollm2-135m-instruct"], dtype=torch.float32).eval().requires_grad_(False)
     embed, head, _, _ = load_target_head("smollm2-135m-instruct")
-    embed, head = embed.float(), head.to(torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32)
+    embed = embed.float()
+    head = drafter.head_weight(head).to(torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32)
+    token_ids = drafter.draft_vocab if drafter.config.draft_vocab_size else None
     data = FeatureDataset(a.data)
     n_val = min(a.val_sequences, len(data) // 5)
     gen = torch.Generator().manual_seed(777)
@@ -47,7 +49,7 @@ def main(argv=None) -> int:
         acc, loss, w = None, 0.0, 0.0
         with torch.no_grad():
             for b in batches:
-                logp, cls, ids = teacher_forced(weaver, forward, b, embed, head, drafter.config.block_size)
+                logp, cls, ids = teacher_forced(weaver, forward, b, embed, head, drafter.config.block_size, token_ids)
                 loss += float(-(logp.gather(-1, cls[..., None])[..., 0] * b["weights"]).sum())
                 w += float(b["weights"].sum())
                 acc = _add(acc, step_metrics(logp, cls, ids, b["labels"], weaver.config.num_candidates))

@@ -229,3 +229,25 @@ def test_training_lowers_the_loss_resumes_identically_and_the_cli_runs(tmp_path)
     assert load_weaver(tmp_path / "cli" / "weaver").config.num_candidates == 8
     with pytest.raises(InputError, match="--steps"):
         main(["--data", str(data), "--out", str(tmp_path / "x"), "--steps", "0"])
+
+
+def test_training_with_a_reduced_draft_vocabulary_uses_its_candidates(tmp_path):
+    from test_drafter_train import synthetic, tiny_cfg
+
+    from drafttree.drafter.data import FeatureDataset
+    from drafttree.drafter.model import DFlashDrafter
+    from drafttree.drafter.train import BlockForward, build_batch
+    from drafttree.weaver.train import WeaverTrainConfig, teacher_forced, train_weaver
+
+    data, _, embed = synthetic(tmp_path)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(tiny_cfg(draft_vocab_size=40)).eval()
+    drafter.set_draft_vocab(torch.arange(0, 64, 64 / 40).long()[:40])
+    tc = WeaverTrainConfig(steps=3, seqs_per_step=2, blocks_per_seq=4, hidden_size=16, num_heads=2, intermediate_size=16,
+                           num_candidates=8, val_sequences=2, log_every=1, checkpoint_every=3)
+    weaver = train_weaver(data, tmp_path / "run", drafter, embed, embed, tc, progress=False, bf16=False)["weaver"]
+    batch = build_batch([FeatureDataset(data)[0]], drafter.config, 4, torch.Generator().manual_seed(0), 7.0)
+    with torch.no_grad():
+        _, _, ids = teacher_forced(weaver, BlockForward(drafter, embed), batch, embed, drafter.head_weight(embed),
+                                   drafter.config.block_size, drafter.draft_vocab)
+    assert set(ids.flatten().tolist()) <= set(drafter.draft_vocab.tolist())

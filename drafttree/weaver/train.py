@@ -60,9 +60,10 @@ class WeaverTrainConfig:
 
 
 def teacher_forced(weaver: Weaver, drafter_forward: BlockForward, batch: dict, embed: torch.Tensor,
-                   head: torch.Tensor, block_size: int):
+                   head: torch.Tensor, block_size: int, token_ids: torch.Tensor | None = None):
     """Weaver's log-probs along the target's continuation: (logp [N, D, K+1], class [N, D] (K = other),
-    drafter candidate ids [N, D, K]). The drafter part runs without gradients."""
+    drafter candidate ids [N, D, K]). The drafter part runs without gradients. With a reduced draft
+    vocabulary, `head` holds its rows and token_ids [Vd] their target ids (candidates as at decoding)."""
     K = weaver.config.num_candidates
     with torch.no_grad():
         hidden = drafter_forward(batch["context_features"].float(), batch["context_positions"], batch["anchor_tokens"],
@@ -70,6 +71,7 @@ def teacher_forced(weaver: Weaver, drafter_forward: BlockForward, batch: dict, e
         h = hidden.reshape(-1, block_size, hidden.shape[-1])[:, 1:]  # [N, D, H]: h_{d+1} for nodes at depth d
         logits = (h.to(head.dtype) @ head.t()).float()
         ids, lp, log_rest = candidates_from_logits(logits, K)
+        ids = ids if token_ids is None else token_ids[ids]
         del logits
     labels = batch["labels"]  # [N, D]: the target's token at depth d+1, -1 where none
     path = torch.cat([batch["anchor_tokens"].reshape(-1, 1), labels[:, :-1]], dim=1).clamp(min=0)
@@ -212,7 +214,9 @@ def train_weaver(data_dir, out_dir, drafter, embed: torch.Tensor, head: torch.Te
     weaver.float().train()
     drafter = drafter.float().eval().requires_grad_(False)
     use_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) if bf16 is None else bf16
-    head = head.detach().to(torch.bfloat16 if use_bf16 else torch.float32)
+    # the drafter's own head: its draft vocabulary's rows when it has one (candidates as at decoding)
+    head = drafter.head_weight(head.detach()).to(torch.bfloat16 if use_bf16 else torch.float32)
+    token_ids = drafter.draft_vocab if dcfg.draft_vocab_size else None
     embed = embed.detach().float()
     forward = BlockForward(drafter, embed)
     B, K = dcfg.block_size, weaver.config.num_candidates
@@ -239,7 +243,7 @@ def train_weaver(data_dir, out_dir, drafter, embed: torch.Tensor, head: torch.Te
         acc, loss, w = None, 0.0, 0.0
         with torch.no_grad():
             for b in val_batches:
-                logp, cls, ids = teacher_forced(weaver, forward, b, embed, head, B)
+                logp, cls, ids = teacher_forced(weaver, forward, b, embed, head, B, token_ids)
                 ww = b["weights"]
                 loss += float(-(logp.gather(-1, cls[..., None])[..., 0] * ww).sum())
                 w += float(ww.sum())
@@ -264,7 +268,7 @@ def train_weaver(data_dir, out_dir, drafter, embed: torch.Tensor, head: torch.Te
         for g in opt.param_groups:
             g["lr"] = lr_at(step, tc)
         if batch is not None:
-            logp, cls, ids = teacher_forced(weaver, forward, batch, embed, head, B)
+            logp, cls, ids = teacher_forced(weaver, forward, batch, embed, head, B, token_ids)
             weights = batch["weights"]
             loss = -(logp.gather(-1, cls[..., None])[..., 0] * weights).sum() / weights.sum().clamp(min=1e-8)
             opt.zero_grad(set_to_none=True)
