@@ -241,7 +241,7 @@ class _RankedMarginals:
 
     A full top-k with k = budget over a 49k-150k vocab costs milliseconds, but peaked draft
     marginals rarely use more than a few ranks per depth, so start small and double a row only
-    when the heap asks for a rank past its end. With `token_ids` (a reduced draft vocabulary:
+    when the heap asks for a rank past its end. With `token_ids` (a reduced draft vocabulary, ascending ids:
     column j is token token_ids[j]) the ranks are over the columns and `ids` holds target ids.
     """
 
@@ -251,7 +251,6 @@ class _RankedMarginals:
         self.m = marginal_logprobs.detach().float()
         self.k_cap = k_cap
         self.token_ids = token_ids
-        self._column_of: dict[int, int] | None = None
         top = torch.topk(self.m, min(k_cap, self.INITIAL_K), dim=-1)  # sorted descending
         self.lp: list[list[float]] = top.values.tolist()
         self.ids: list[list[int]] = self._ids(top.indices)
@@ -283,10 +282,10 @@ class _RankedMarginals:
         """The log-prob of target id `token` at depth index d (-inf outside a reduced vocabulary)."""
         if self.token_ids is None:
             return float(self.m[d, token])
-        if self._column_of is None:
-            self._column_of = {t: j for j, t in enumerate(self.token_ids.tolist())}
-        j = self._column_of.get(token)
-        return -math.inf if j is None else float(self.m[d, j])
+        # binary search in the (sorted) draft vocabulary: no per-round inverse map on the hot path
+        j = int(torch.searchsorted(self.token_ids, token))
+        inside = j < self.token_ids.numel() and int(self.token_ids[j]) == token
+        return float(self.m[d, j]) if inside else -math.inf
 
 
 def build_best_first_tree(root_token: int, marginal_logprobs: torch.Tensor, budget: int,

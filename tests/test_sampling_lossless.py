@@ -63,6 +63,20 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(c.numpy(), e.numpy()).pvalue)
 
 
+def sample_three(target, prompt, proposer, params, samples):
+    """Counts of the first token and of the (second, third) pair over `samples` speculative generations of 3
+    tokens (seed = sample index), and how many first rounds accepted a draft."""
+    first, pairs, deep = torch.zeros(VOCAB), torch.zeros(VOCAB, VOCAB), 0
+    for i in range(samples):
+        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=i)
+        res = generate_speculative(target, prompt, proposer, max_new_tokens=3, sampling=sp, stop_token_ids=())
+        t1, t2, t3 = res.tokens
+        first[t1] += 1
+        pairs[t2, t3] += 1
+        deep += res.stats.accept_lengths[0] > 1
+    return first, pairs, deep
+
+
 @pytest.mark.parametrize("params, policy", [(SamplingParams(temperature=0.7, top_p=0.9), ChainPolicy),
                                             (SamplingParams(temperature=1.0, top_k=8), lambda: BestFirstPolicy(6))],
                          ids=["chain-T0.7-top_p0.9", "ddtree6-T1.0-top_k8"])
@@ -72,15 +86,7 @@ def test_speculative_sampling_matches_target(small_vocab_target, params, policy)
     prompt = torch.tensor([3, 17, 5, 9])
     p1, joint = exact_pair_distribution(hf, prompt, params)
     proposer = TargetCopyProposer(path, policy(), noise=1.0, depth=3)
-    first, pairs = torch.zeros(VOCAB), torch.zeros(VOCAB, VOCAB)
-    deep = 0
-    for i in range(SAMPLES):
-        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=i)
-        res = generate_speculative(target, prompt, proposer, max_new_tokens=3, sampling=sp, stop_token_ids=())
-        t1, t2, t3 = res.tokens
-        first[t1] += 1
-        pairs[t2, t3] += 1
-        deep += res.stats.accept_lengths[0] > 1
+    first, pairs, deep = sample_three(target, prompt, proposer, params, SAMPLES)
     assert deep > SAMPLES // 10  # drafts were accepted often, so deep tree sampling is exercised
     assert chi2_pvalue(first, p1) > 1e-3
     assert chi2_pvalue(pairs, joint) > 1e-3
@@ -104,15 +110,7 @@ def test_lookup_sampling_matches_target(small_vocab_target):
     prompt = torch.cat([base, torch.tensor(generate_ar(target, base, 16, stop_token_ids=()).tokens)])
     p1, joint = exact_pair_distribution(hf, prompt, params)
     proposer = LookupDFlashProposer(DFlashProposer(random_drafter_for(target.model), target.model, BestFirstPolicy(6)))
-    first, pairs = torch.zeros(VOCAB), torch.zeros(VOCAB, VOCAB)
-    deep = 0
-    for i in range(LOOKUP_SAMPLES):
-        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=i)
-        res = generate_speculative(target, prompt, proposer, max_new_tokens=3, sampling=sp, stop_token_ids=())
-        t1, t2, t3 = res.tokens
-        first[t1] += 1
-        pairs[t2, t3] += 1
-        deep += res.stats.accept_lengths[0] > 1
+    first, pairs, deep = sample_three(target, prompt, proposer, params, LOOKUP_SAMPLES)
     assert deep > LOOKUP_SAMPLES // 10
     assert chi2_pvalue(first, p1) > 1e-3
     assert chi2_pvalue(pairs, joint) > 1e-3

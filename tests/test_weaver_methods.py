@@ -137,15 +137,7 @@ def test_weaver_sampling_matches_target(small_vocab_target):
     p1, joint = exact_pair_distribution(hf, prompt, params)
     drafter = random_drafter_for(target.model, block_size=4)
     proposer = WeaverProposer(drafter, target.model, weaver_for(target, drafter, k=12), BestFirstPolicy(6), width=3)
-    first, pairs = torch.zeros(VOCAB), torch.zeros(VOCAB, VOCAB)
-    deep = 0
-    for i in range(WEAVER_SAMPLES):
-        sp = SamplingParams(params.temperature, params.top_p, params.top_k, seed=i)
-        res = generate_speculative(target, prompt, proposer, max_new_tokens=3, sampling=sp, stop_token_ids=())
-        t1, t2, t3 = res.tokens
-        first[t1] += 1
-        pairs[t2, t3] += 1
-        deep += res.stats.accept_lengths[0] > 1
+    first, pairs, deep = sample_three(target, prompt, proposer, params, WEAVER_SAMPLES)
     assert deep > WEAVER_SAMPLES // 20  # drafts were accepted, so deep tree sampling is exercised
     assert chi2_pvalue(first, p1) > 1e-3
     assert chi2_pvalue(pairs, joint) > 1e-3
@@ -166,4 +158,4 @@ def test_smollm2_greedy_equals_ar():
         assert res.tokens == ar
 
 
-from test_sampling_lossless import VOCAB, chi2_pvalue, exact_pair_distribution, small_vocab_target  # noqa: E402,F401
+from test_sampling_lossless import VOCAB, chi2_pvalue, exact_pair_distribution, sample_three, small_vocab_target  # noqa: E402,F401
