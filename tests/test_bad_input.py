@@ -535,7 +535,7 @@ def _train(data, target, out, *extra):
     ("--block-size", "1", ["--block-size", ">= 2"]), ("--block-size", "1000", ["--block-size", "<= 64"]),
     ("--warmup-steps", "-1", ["--warmup-steps"]), ("--draft-vocab", "-1", ["--draft-vocab"]),
     ("--threads", "-1", ["--threads"]), ("--stop-at", "0", ["--stop-at"]), ("--max-context", "0", ["--max-context"]),
-    ("--bf16", "maybe", ["--bf16"]),
+    ("--bf16", "maybe", ["--bf16"]), ("--heldout", "no-such-dir", ["--heldout", "not a directory"]),
 ])
 def test_train_drafter_refuses_bad_options(run_cli, monkeypatch, tmp_path, train_inputs, option, value, words):
     monkeypatch.setattr("drafttree.drafter.train.load_target_head", lambda *a, **k: pytest.fail("target read first"))
@@ -634,6 +634,7 @@ def test_stale_partial_shards_are_removed(tmp_path):
     (["--limit", "0"], ["--limit"]), (["--code", "-1"], ["--code"]), (["--sampled-fraction", "2"], ["--sampled-fraction"]),
     (["--sampled-fraction", "nan"], ["--sampled-fraction"]), (["--layers", "1,x"], ["--layers"]),
     (["--layers", "1,1"], ["--layers", "distinct"]), (["--layers", ""], ["--layers"]), (["--threads", "0"], ["threads"]),
+    (["--part", "2/2"], ["--part", "K/N"]), (["--part", "half"], ["--part", "K/N"]),
 ])
 def test_train_data_refuses_bad_options(run_cli, monkeypatch, args, words):
     monkeypatch.setattr("drafttree.drafter.datagen.stdlib_code_prompts", lambda *a, **k: pytest.fail("prompts read first"))

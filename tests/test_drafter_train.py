@@ -170,3 +170,23 @@ def test_ddp_two_ranks_keep_identical_weights(tmp_path):
     assert not torch.equal(w0["fc.weight"], init["fc.weight"])  # it did train
     s0, s1 = json.loads((tmp_path / "seen0.json").read_text()), json.loads((tmp_path / "seen1.json").read_text())
     assert set(s0).isdisjoint(s1)  # the ranks saw different sequences
+
+
+def test_heldout_tau_is_logged_and_rises(tmp_path):
+    data, _, embed = synthetic(tmp_path)
+    held, _, _ = synthetic(tmp_path / "held", n_seq=6)  # other counting sequences: learnable, never trained on
+    tc = TrainConfig(steps=40, seqs_per_step=2, blocks_per_seq=6, lr=3e-3, warmup_steps=5, log_every=5,
+                     checkpoint_every=20)
+    res = train_drafter(data, tmp_path / "run", embed, embed, tiny_cfg(), tc, progress=False, heldout_dir=held)
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    rows = [r for r in m if "heldout_tau" in r]
+    assert [r["step"] for r in rows] == [20, 40] and len(rows[0]["heldout_accuracy"]) == 3
+    assert 1.0 <= rows[0]["heldout_tau"] <= 4.0 and rows[-1]["heldout_tau"] > 1.0
+    assert res["final"]["step"] == 40 and "loss" in res["final"]
+    # the same drafter scored again: the held-out anchors are fixed, so the figure repeats exactly
+    from drafttree.drafter.train import _use_bf16, heldout_metrics
+
+    d, bf16 = res["drafter"], _use_bf16(tc.bf16)
+    head = d.head_weight(embed).to(torch.bfloat16 if bf16 else torch.float32)
+    again = heldout_metrics(BlockForward(d, embed), FeatureDataset(held), d, head, tc, bf16)
+    assert abs(again["heldout_tau"] - rows[-1]["heldout_tau"]) < 1e-6

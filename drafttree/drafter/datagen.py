@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import json
 import random
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import torch
@@ -149,13 +151,43 @@ def generate_packed(model, prompts: list[torch.Tensor], max_new_tokens: int, sam
     return results
 
 
-def training_prompts(a) -> list[str]:
-    """GSM8K train questions, stdlib code prompts and ShareGPT first turns, shuffled (never evaluation sets)."""
-    prompts = (gsm8k_train_prompts(a.gsm8k)[: a.gsm8k_limit] if a.gsm8k else [])
-    prompts += stdlib_code_prompts(a.code, a.seed) if a.code else []  # --code 0: no walk over the stdlib
-    prompts += sharegpt_prompts(a.sharegpt, a.seed) if a.sharegpt else []
-    random.Random(a.seed).shuffle(prompts)
-    return prompts[: a.limit]
+def training_prompts(a, with_sources: bool = False):
+    """GSM8K train questions, stdlib code prompts and ShareGPT first turns, shuffled (never evaluation sets);
+    with_sources: (prompt, source name) pairs."""
+    tagged = [(p, "gsm8k-train") for p in (gsm8k_train_prompts(a.gsm8k)[: a.gsm8k_limit] if a.gsm8k else [])]
+    tagged += [(p, "python-stdlib-code") for p in (stdlib_code_prompts(a.code, a.seed) if a.code else [])]
+    tagged += [(p, "sharegpt") for p in (sharegpt_prompts(a.sharegpt, a.seed) if a.sharegpt else [])]
+    random.Random(a.seed).shuffle(tagged)
+    tagged = tagged[: a.limit]
+    return tagged if with_sources else [p for p, _ in tagged]
+
+
+def prompt_digest(prompt: str) -> str:
+    """A short hash of a prompt without the instructions this repository adds, case and spacing folded: the
+    manifest lists these so a test can check that no evaluation prompt was trained on."""
+    text = prompt.replace(MATH_INSTRUCTION, "").replace(CODE_INSTRUCTION, "")
+    return hashlib.sha256(" ".join(text.lower().split()).encode()).hexdigest()[:16]
+
+
+def evaluation_digests() -> set[str]:
+    """`prompt_digest` of every evaluation prompt (HumanEval, the GSM8K test sample, both MT-Bench turns) and of
+    drafttree's own prompt sets: what a training manifest's digests must never contain."""
+    from ..datasets import BUILT_IN, SOURCES, _read_lines, load_prompts
+
+    digests = {prompt_digest(p) for name in (*SOURCES, *BUILT_IN) for p in load_prompts(name)}
+    digests |= {prompt_digest(t) for r in _read_lines(*SOURCES["mtbench"]) for t in r["turns"]}
+    return digests
+
+
+def parse_part(spec: str) -> tuple[int, int]:
+    """--part K/N: this process decodes every N-th prompt from the K-th (parallel generators, one per core)."""
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise InputError(f"--part {spec!r}: expected K/N with 0 <= K < N, e.g. 0/2") from None
+    if not 0 <= k < n:
+        raise InputError(f"--part {spec!r}: expected K/N with 0 <= K < N, e.g. 0/2")
+    return k, n
 
 
 def length_sorted(prompts: list[str], lengths: list[int], window: int) -> list[str]:
@@ -163,6 +195,37 @@ def length_sorted(prompts: list[str], lengths: list[int], window: int) -> list[s
     even along the run, and a deterministic order (resuming relies on it)."""
     return [p for w in range(0, len(prompts), window)
             for _, p in sorted(zip(lengths[w:w + window], prompts[w:w + window]), key=lambda x: x[0])]
+
+
+class DataManifest:
+    """manifest.json beside the shards: settings, decontamination, per-source counts and licences, and the
+    digest of every prompt decoded (`prompt_digest`), rewritten atomically after each shard."""
+
+    def __init__(self, out: Path, settings: dict, decontamination: dict):
+        from .anchor_labels import SOURCES_INFO
+
+        self.file, self.t0 = out / "manifest.json", time.perf_counter()
+        old = json.loads(self.file.read_text()) if self.file.exists() else None
+        if old is not None and old.get("settings") != settings:
+            raise InputError(f"{self.file} was made with other settings ({old.get('settings')}): use another --out")
+        self.data = old or {"generator": "self-distillation", "settings": settings, "decontamination": decontamination,
+                            "answers": "the target's own replies (greedy, or sampled where counted below)",
+                            "sources": {k: {**v, "prompts": 0, "reply_tokens": 0, "tokens": 0}
+                                        for k, v in SOURCES_INFO.items() if k != "python-stdlib-docs"},
+                            "sampled_prompts": 0, "wall_s": 0.0, "prompt_digests": []}
+        self.wall0 = self.data["wall_s"]
+
+    def add(self, prompt: str, source: str, tokens: int, reply_tokens: int, sampled: bool):
+        entry = self.data["sources"][source]
+        entry["prompts"] += 1
+        entry["tokens"] += tokens
+        entry["reply_tokens"] += reply_tokens
+        self.data["sampled_prompts"] += int(sampled)
+        self.data["prompt_digests"].append(prompt_digest(prompt))
+
+    def save(self):
+        self.data["wall_s"] = round(self.wall0 + time.perf_counter() - self.t0, 1)
+        atomic_write_text(self.file, json.dumps(self.data, indent=1))
 
 
 def make_decoder(a, target, layers, stops, done: int):
@@ -197,6 +260,7 @@ def check_arguments(a) -> tuple[int, ...]:
     if not 0.0 <= check_finite("--sampled-fraction", a.sampled_fraction) <= 1.0:
         raise InputError(f"--sampled-fraction must be in [0, 1], got {a.sampled_fraction}")
     layers = parse_layer_ids(a.layers)
+    parse_part(a.part)
     check_threads(a.threads)
     if a.gsm8k and not Path(a.gsm8k).is_file():
         gsm8k_train_prompts(a.gsm8k)  # its message says what the file should be
@@ -241,12 +305,23 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ap.add_argument("--part", default="0/1", help="K/N: decode every N-th prompt from the K-th (one process per core, "
+                    "each with its own --out)")
     a = ap.parse_args(argv)
     layers = check_arguments(a)
-    prompts = training_prompts(a)  # before the model: an empty or broken prompt source fails in a second
-    if not prompts:
+    tagged = training_prompts(a, with_sources=True)  # before the model: a broken prompt source fails in a second
+    if not tagged:
         raise InputError("no training prompts: the sources chosen gave none" + (f" (is --gsm8k {a.gsm8k} empty?)"
                                                                                 if a.gsm8k else ""))
+    from .anchor_labels import evaluation_ngrams, ngrams
+
+    grams, checked = evaluation_ngrams()  # a prompt sharing a 13-word run with an evaluation text is dropped
+    clean = [(p, src) for p, src in tagged if grams.isdisjoint(ngrams(p.replace(MATH_INSTRUCTION, "")
+                                                                        .replace(CODE_INSTRUCTION, "")))]
+    dropped = len(tagged) - len(clean)
+    part, parts = parse_part(a.part)
+    clean = clean[part::parts]
+    prompts, source_of = [p for p, _ in clean], dict(clean)
 
     from ..load import load_target
 
@@ -261,21 +336,31 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     progress_file = out / f"progress-{a.engine}-seed{a.seed}.json"
     done = json.loads(progress_file.read_text())["prompts_done"] if progress_file.exists() else 0
+    manifest = DataManifest(out, {"engine": a.engine, "target": a.model, "dtype": a.dtype, "seed": a.seed,
+                                  "part": a.part, "max_new_tokens": a.max_new_tokens,
+                                  "sampled_fraction": a.sampled_fraction, "capture_layers": list(layers),
+                                  "sources_requested": {"gsm8k": a.gsm8k, "gsm8k_limit": a.gsm8k_limit,
+                                                        "code": a.code, "sharegpt": a.sharegpt, "limit": a.limit}},
+                            {"method": "13-gram word overlap with the evaluation sets' texts", "checked": checked,
+                             "dropped_prompts": dropped})
     decode = make_decoder(a, target, layers, stops, done)
     greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95)
     writer = FeatureShardWriter(out, list(layers), tokens_per_shard=100_000, metadata={"target": a.model, "dtype": a.dtype})
     bar = tqdm(total=len(prompts), initial=done, desc="self-distillation", unit="prompt")
     tokens_total = 0
     for start in range(done, len(prompts), a.batch):
-        ids = [target.encode_chat(p) for p in prompts[start:start + a.batch]]
-        ids = [x for x in ids if x.numel() <= a.max_prompt_tokens]  # truncating would cut the chat template
+        batch = [(p, target.encode_chat(p)) for p in prompts[start:start + a.batch]]
+        batch = [(p, x) for p, x in batch if x.numel() <= a.max_prompt_tokens]  # truncating would cut the template
         mode = sampled if random.Random(start).random() < a.sampled_fraction else greedy
-        for toks, feats, plen in decode(ids, mode, a.seed * 1_000_003 + start) if ids else []:
+        replies = decode([x for _, x in batch], mode, a.seed * 1_000_003 + start) if batch else []
+        for (p, _), (toks, feats, plen) in zip(batch, replies):
             mask = torch.zeros(toks.numel(), dtype=torch.uint8)
             mask[plen:] = 1
             writer.add(toks, feats, mask)
             tokens_total += toks.numel() - plen
+            manifest.add(p, source_of[p], toks.numel(), toks.numel() - plen, sampled=mode is sampled)
         writer.flush()  # a shard per batch: progress below never claims unwritten data
+        manifest.save()
         atomic_write_text(progress_file, json.dumps({"prompts_done": min(start + a.batch, len(prompts)), "total": len(prompts)}))
         bar.update(min(a.batch, len(prompts) - start))
         bar.set_postfix(reply_tokens=tokens_total)

@@ -199,6 +199,37 @@ def block_loss(hidden: torch.Tensor, batch: dict, head: torch.Tensor, drafter: D
     return loss, correct
 
 
+@torch.no_grad()
+def heldout_metrics(model: nn.Module, data: FeatureDataset, drafter: DFlashDrafter, head: torch.Tensor, tc: TrainConfig,
+                    use_bf16: bool, sequences: int = 48, per_forward: int = 8) -> dict:
+    """Block τ (1 + leading correct drafts, the greedy chain's acceptance estimate) and top-1 accuracy by depth on
+    the first `sequences` sequences of a held-out directory, the same anchors every time: the curve that tells
+    learning from memorising."""
+    was_training = drafter.training
+    drafter.eval()
+    cfg, depth = drafter.config, drafter.config.block_size - 1
+    correct_sum, valid_sum, tau_sum, blocks = torch.zeros(depth), torch.zeros(depth), 0.0, 0
+    ids = list(range(min(sequences, len(data))))
+    for k in range(0, len(ids), per_forward):
+        gen = torch.Generator().manual_seed(tc.seed * 7919 + k)
+        batch = build_batch([data[i] for i in ids[k:k + per_forward]], cfg, tc.blocks_per_seq, gen,
+                            tc.loss_decay_gamma, tc.max_context)
+        if batch is None:
+            continue
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
+            hidden = model(batch["context_features"].float(), batch["context_positions"], batch["anchor_tokens"],
+                           batch["block_positions"], batch["attn_mask"])
+        _, correct = block_loss(hidden, batch, head, drafter, tc.ce_chunk_rows)
+        valid = batch["labels"] >= 0
+        correct_sum += (correct & valid).sum(0)
+        valid_sum += valid.sum(0)
+        run = (correct & valid).int().cumprod(1).sum(1)
+        tau_sum += float((1 + run).float().sum())
+        blocks += run.numel()
+    drafter.train(was_training)
+    return {"heldout_tau": tau_sum / max(1, blocks), "heldout_accuracy": (correct_sum / valid_sum.clamp(min=1)).tolist()}
+
+
 # ---- optimizer / schedule -----------------------------------------------------------------
 def lr_at(step: int, tc: TrainConfig) -> float:
     if step < tc.warmup_steps:
@@ -285,6 +316,8 @@ def save_plots(metrics: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    held = [m for m in metrics if "heldout_tau" in m]
+    metrics = [m for m in metrics if "loss" in m]  # held-out records may stand alone
     if not metrics:
         return
     steps = [m["step"] for m in metrics]
@@ -292,8 +325,12 @@ def save_plots(metrics: list[dict], out: Path) -> None:
     ax[0].plot(steps, [m["loss"] for m in metrics], label="loss")
     ax[0].set_xlabel("step"), ax[0].set_ylabel("weighted CE"), ax[0].set_title("training loss")
     tw = ax[0].twinx()
-    tw.plot(steps, [m["tau"] for m in metrics], color="tab:orange", label="tau (greedy chain)")
-    tw.set_ylabel("estimated acceptance length")
+    tw.plot(steps, [m["tau"] for m in metrics], color="tab:orange", label="τ, training batches")
+    if held:
+        tw.plot([m["step"] for m in held], [m["heldout_tau"] for m in held], color="tab:green", marker="o",
+                label="τ, held-out")
+    tw.set_ylabel("estimated acceptance length (greedy chain)")
+    tw.legend(loc="center right")
     ax[1].plot(steps, [m["lr"] for m in metrics])
     ax[1].set_xlabel("step"), ax[1].set_title("learning rate")
     fig.tight_layout()
@@ -330,11 +367,12 @@ def _sequences_for_step(step: int, n: int, per_rank: int, rank: int, world: int,
 def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch.Tensor,
                   lm_head_weight: torch.Tensor, drafter_config: DFlashConfig | None = None,
                   train_config: TrainConfig | None = None, init_from: str | Path | None = None,
-                  resume: bool = True, progress: bool = True) -> dict:
+                  resume: bool = True, progress: bool = True, heldout_dir: str | Path | None = None) -> dict:
     """Train (or resume) a drafter; writes out_dir/{checkpoint/, drafter/, metrics.json, *.png}.
 
     drafter_config: shape of a new drafter (ignored with init_from or when resuming).
     init_from: an existing drafter directory to fine-tune.
+    heldout_dir: feature shards never trained on; their block τ is logged at every checkpoint (`heldout_tau`).
     Returns a summary dict (the trained `drafter`, `final` metrics, `sequences_seen` by this rank).
     """
     tc = train_config or TrainConfig()
@@ -350,6 +388,9 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
 
     data = FeatureDataset(data_dir)
     data.check_token_ids(embed_weight.shape[0])  # before anything indexes the embedding with them
+    heldout = FeatureDataset(heldout_dir) if heldout_dir is not None and main else None
+    if heldout is not None:
+        heldout.check_token_ids(embed_weight.shape[0])
     ckpt = out / "checkpoint"
     state = {"step": 0, "metrics": []}
     if resume and main and not ckpt.exists() and (out / "checkpoint.old" / "trainer_state.json").exists():
@@ -443,6 +484,13 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau']:.2f}", acc1=f"{acc[0]:.2f}")
             window = {"loss": 0.0, "n": 0, "correct": 0, "valid": 0, "tau": 0.0, "blocks": 0, "t": 0.0}
             window_steps = 0
+        if main and heldout is not None and (done % tc.checkpoint_every == 0 or done in (tc.steps, tc.stop_at)):
+            rec = heldout_metrics(BlockForward(drafter, embed), heldout, drafter, head, tc, use_bf16)
+            if metrics and metrics[-1]["step"] == done:
+                metrics[-1].update(rec)
+            else:
+                metrics.append({"step": done, **rec})
+            bar.write(f"step {done}: held-out tau {rec['heldout_tau']:.3f}")
         if main and (done % tc.checkpoint_every == 0 or done in (tc.steps, tc.stop_at)):
             _write_checkpoint(out, drafter, opt, {"step": done, "metrics": metrics, "train_config": asdict(tc),
                                                   "world_size": world})
@@ -452,7 +500,7 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
     if dist.is_initialized():
         dist.barrier()
     return {"drafter": drafter, "steps": tc.steps, "rank": rank, "world_size": world, "sequences_seen": seen,
-            "final": metrics[-1] if metrics else None}
+            "final": next((m for m in reversed(metrics) if "loss" in m), None)}
 
 
 _START_OVER = "delete {ckpt} or pass --no-resume to start training over"
@@ -552,6 +600,9 @@ def check_arguments(a) -> None:
             raise InputError(f"{opt(name)} must be {bounds}, got {value}")
     if a.bf16 not in ("auto", "on", "off"):
         raise InputError(f"--bf16 must be auto, on or off, got {a.bf16!r}")
+    if a.heldout and not Path(a.heldout).is_dir():
+        raise InputError(f"--heldout {a.heldout} is not a directory: give feature shards never trained on (made like "
+                         "--data's, `drafttree train data`), or leave --heldout out")
     check_writable(a.out, "--out")
     check_model_dir(a.target)
     check_model_cache(a.target)
@@ -576,6 +627,7 @@ def main(argv=None):
     p.add_argument("--draft-vocab", type=int, default=0, help="reduced head: the N most frequent response tokens (0: full)")
     p.add_argument("--no-resume", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch default)")
+    p.add_argument("--heldout", help="directory of feature shards never trained on: block τ logged at every checkpoint")
     for f in TrainConfig.__dataclass_fields__.values():
         if f.name == "betas":
             continue
@@ -588,10 +640,13 @@ def main(argv=None):
     if a.threads:
         torch.set_num_threads(a.threads)
     data = FeatureDataset(a.data)  # a missing or broken shard fails now, not after the target is converted
+    if a.heldout:
+        FeatureDataset(a.heldout)
     embed, head, _, target_cfg = load_target_head(a.target)
     tc = TrainConfig(**{k: getattr(a, k) for k in TrainConfig.__dataclass_fields__ if k != "betas"})
     dcfg = drafter_config_from_target(target_cfg, data.target_layer_ids, a.layers, a.block_size, a.draft_vocab or None)
-    summary = train_drafter(a.data, a.out, embed, head, dcfg, tc, init_from=a.init_from, resume=not a.no_resume)
+    summary = train_drafter(a.data, a.out, embed, head, dcfg, tc, init_from=a.init_from, resume=not a.no_resume,
+                            heldout_dir=a.heldout)
     if summary["rank"] == 0 and summary["final"]:
         print(json.dumps({k: summary["final"][k] for k in ("step", "loss", "tau")}))
     if dist.is_initialized():

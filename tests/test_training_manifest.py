@@ -1,0 +1,46 @@
+"""Training data manifests: the shipped drafter's lists the digest of every prompt it was trained on, and not one
+is an evaluation prompt; the digest folds the instructions drafttree adds, case and spacing."""
+import json
+from pathlib import Path
+
+import pytest
+
+from drafttree.datasets import CODE_INSTRUCTION, MATH_INSTRUCTION, load_prompts
+from drafttree.drafter.datagen import evaluation_digests, parse_part, prompt_digest
+from drafttree.validate import InputError
+
+WEIGHTS = Path(__file__).resolve().parents[1] / "drafttree" / "weights"
+MANIFESTS = sorted(WEIGHTS.glob("*/data-manifest*.json"))
+
+
+def test_prompt_digest_folds_instructions_case_and_spacing():
+    q = "Tom has 3 apples.  How many?"
+    assert prompt_digest(f"{q}\n{MATH_INSTRUCTION}") == prompt_digest("tom has 3 apples. how many?")
+    assert prompt_digest(CODE_INSTRUCTION + "def f(x):\n    pass") == prompt_digest("def f(x): pass")
+    assert prompt_digest("a b") != prompt_digest("a c")
+
+
+def test_evaluation_digests_cover_every_set():
+    digests = evaluation_digests()
+    for name in ("humaneval", "gsm8k", "mtbench"):
+        assert {prompt_digest(p) for p in load_prompts(name)} <= digests
+    assert len(digests) >= 164 + 100 + 80
+
+
+@pytest.mark.parametrize("manifest", MANIFESTS, ids=[m.parent.name for m in MANIFESTS])
+def test_shipped_training_data_has_no_evaluation_prompt(manifest):
+    data = json.loads(manifest.read_text())
+    digests = data["prompt_digests"]
+    assert digests and len(digests) == sum(s["prompts"] for s in data["sources"].values())
+    assert not set(digests) & evaluation_digests(), f"{manifest}: trained on an evaluation prompt"
+
+
+def test_manifest_check_catches_a_contaminated_prompt():
+    assert prompt_digest(load_prompts("gsm8k")[3]) in evaluation_digests()
+
+
+def test_parse_part():
+    assert parse_part("0/1") == (0, 1) and parse_part("1/2") == (1, 2)
+    for bad in ("2/2", "x", "1/0", "-1/2"):
+        with pytest.raises(InputError, match="--part"):
+            parse_part(bad)
