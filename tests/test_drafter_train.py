@@ -180,8 +180,8 @@ def test_heldout_tau_is_logged_and_rises(tmp_path):
     res = train_drafter(data, tmp_path / "run", embed, embed, tiny_cfg(), tc, progress=False, heldout_dir=held)
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
     rows = [r for r in m if "heldout_tau" in r]
-    assert [r["step"] for r in rows] == [20, 40] and len(rows[0]["heldout_accuracy"]) == 3
-    assert 1.0 <= rows[0]["heldout_tau"] <= 4.0 and rows[-1]["heldout_tau"] > 1.0
+    assert [r["step"] for r in rows] == [0, 20, 40] and len(rows[0]["heldout_accuracy"]) == 3
+    assert 1.0 <= rows[0]["heldout_tau"] <= 4.0 and rows[-1]["heldout_tau"] > rows[0]["heldout_tau"]
     assert res["final"]["step"] == 40 and "loss" in res["final"]
     # the same drafter scored again: the held-out anchors are fixed, so the figure repeats exactly
     from drafttree.drafter.train import _use_bf16, heldout_metrics

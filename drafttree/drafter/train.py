@@ -201,7 +201,7 @@ def block_loss(hidden: torch.Tensor, batch: dict, head: torch.Tensor, drafter: D
 
 @torch.no_grad()
 def heldout_metrics(model: nn.Module, data: FeatureDataset, drafter: DFlashDrafter, head: torch.Tensor, tc: TrainConfig,
-                    use_bf16: bool, sequences: int = 48, per_forward: int = 8) -> dict:
+                    use_bf16: bool, sequences: int = 64, per_forward: int = 8) -> dict:
     """Block τ (1 + leading correct drafts, the greedy chain's acceptance estimate) and top-1 accuracy by depth on
     the first `sequences` sequences of a held-out directory, the same anchors every time: the curve that tells
     learning from memorising."""
@@ -437,6 +437,8 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
     window = {"loss": 0.0, "n": 0, "correct": 0, "valid": 0, "tau": 0.0, "blocks": 0, "t": 0.0}
     seen: list[int] = []
     window_steps = 0
+    if heldout is not None and state["step"] == 0:  # the starting point of the held-out curve (the init's τ)
+        metrics.append({"step": 0, **heldout_metrics(BlockForward(drafter, embed), heldout, drafter, head, tc, use_bf16)})
     bar = tqdm(range(state["step"], tc.steps), initial=state["step"], total=tc.steps,
                disable=not (main and progress), desc="drafter", dynamic_ncols=True)
     for step in bar:
