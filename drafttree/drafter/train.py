@@ -392,24 +392,7 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
     if heldout is not None:
         heldout.check_token_ids(embed_weight.shape[0])
     ckpt = out / "checkpoint"
-    state = {"step": 0, "metrics": []}
-    if resume and main and not ckpt.exists() and (out / "checkpoint.old" / "trainer_state.json").exists():
-        (out / "checkpoint.old").rename(ckpt)  # killed between _write_checkpoint's two renames: the old one is whole
-    if resume and (ckpt / "trainer_state.json").exists():
-        drafter, state = _load_resume_state(ckpt)
-    elif init_from is not None:
-        drafter = load_drafter(init_from, dtype=torch.float32)
-    else:
-        if drafter_config is None:
-            raise ValueError("train_drafter needs drafter_config, init_from or a checkpoint to resume")
-        torch.manual_seed(tc.seed)
-        drafter = DFlashDrafter(drafter_config).float()
-        with torch.no_grad():
-            if drafter_config.mask_token_id is None:  # start the mask vector at the mean token embedding
-                drafter.mask_embedding.copy_(embed_weight.float().mean(0))
-            if drafter_config.draft_vocab_size:
-                counts = data.token_counts(drafter_config.vocab_size)
-                drafter.set_draft_vocab(counts.argsort(descending=True, stable=True)[:drafter_config.draft_vocab_size])
+    drafter, state = _starting_point(out, data, embed_weight, drafter_config, tc, init_from, resume, main)
     cfg = drafter.config
     if data.target_layer_ids != cfg.target_layer_ids or data.feature_dim != cfg.context_dim:
         raise ValueError(f"data has target_layer_ids {data.target_layer_ids} (width {data.feature_dim}); the drafter "
@@ -506,6 +489,31 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
 
 
 _START_OVER = "delete {ckpt} or pass --no-resume to start training over"
+
+
+def _starting_point(out: Path, data: FeatureDataset, embed_weight: torch.Tensor, drafter_config: DFlashConfig | None,
+                    tc: TrainConfig, init_from, resume: bool, main: bool) -> tuple[DFlashDrafter, dict]:
+    """(drafter, trainer state) to start from: the checkpoint to resume, else the --init-from drafter, else a new
+    one (its mask vector at the mean token embedding, its draft vocabulary the data's most frequent tokens)."""
+    ckpt = out / "checkpoint"
+    if resume and main and not ckpt.exists() and (out / "checkpoint.old" / "trainer_state.json").exists():
+        (out / "checkpoint.old").rename(ckpt)  # killed between _write_checkpoint's two renames: the old one is whole
+    if resume and (ckpt / "trainer_state.json").exists():
+        return _load_resume_state(ckpt)
+    state = {"step": 0, "metrics": []}
+    if init_from is not None:
+        return load_drafter(init_from, dtype=torch.float32), state
+    if drafter_config is None:
+        raise ValueError("train_drafter needs drafter_config, init_from or a checkpoint to resume")
+    torch.manual_seed(tc.seed)
+    drafter = DFlashDrafter(drafter_config).float()
+    with torch.no_grad():
+        if drafter_config.mask_token_id is None:
+            drafter.mask_embedding.copy_(embed_weight.float().mean(0))
+        if drafter_config.draft_vocab_size:
+            counts = data.token_counts(drafter_config.vocab_size)
+            drafter.set_draft_vocab(counts.argsort(descending=True, stable=True)[:drafter_config.draft_vocab_size])
+    return drafter, state
 
 
 def _load_resume_state(ckpt: Path):
