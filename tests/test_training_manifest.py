@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from drafttree.datasets import CODE_INSTRUCTION, MATH_INSTRUCTION, load_prompts
-from drafttree.drafter.datagen import evaluation_digests, parse_part, prompt_digest
+from drafttree.drafter.datagen import parse_part
+from drafttree.drafter.manifest import evaluation_digests, prompt_digest
 from drafttree.validate import InputError
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "drafttree" / "weights"
@@ -44,3 +45,32 @@ def test_parse_part():
     for bad in ("2/2", "x", "1/0", "-1/2"):
         with pytest.raises(InputError, match="--part"):
             parse_part(bad)
+
+
+def test_merge_reads_manifests_and_recovers_digests_from_older_shards(tmp_path):
+    import torch
+    from transformers import AutoTokenizer
+
+    from drafttree.drafter.data import FeatureShardWriter
+    from drafttree.drafter.manifest import DataManifest, merge, user_turn
+    from drafttree.gguf_convert import convert_embedded
+
+    tok = AutoTokenizer.from_pretrained(str(convert_embedded("smollm2-135m-instruct")))
+    questions = ["What is 2 + 2?", f"Tom has 3 apples.\n{MATH_INSTRUCTION}"]
+    with FeatureShardWriter(tmp_path / "old", [0], tokens_per_shard=10) as w:  # shards of an older run: no manifest
+        for q in questions:
+            prompt = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"]
+            ids = torch.tensor(prompt + tok.encode("Four.", add_special_tokens=False))
+            w.add(ids, torch.zeros(ids.numel(), 4), torch.arange(ids.numel()) >= len(prompt))
+    new = DataManifest(tmp_path / "new", {"engine": "test"}, {"method": "none", "checked": {}, "dropped_prompts": 0})
+    new.add("Name a colour.", "sharegpt", 20, 5, sampled=False)
+    new.save()
+    merged = merge([tmp_path / "new", tmp_path / "old"], tmp_path / "m.json", tok)
+    assert merged["prompt_digests"] == [prompt_digest(q) for q in ["Name a colour.", *questions]]
+    assert merged["sources"]["sharegpt"]["prompts"] == 1 and merged["sources"]["recovered-from-shards"]["prompts"] == 2
+    assert json.loads((tmp_path / "m.json").read_text()) == merged
+    with pytest.raises(ValueError, match="user turn"):
+        user_turn("plain text")
+    with pytest.raises(InputError, match="no manifest.json"):
+        merge([tmp_path / "old"], tmp_path / "m2.json", None)

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import argparse
 import ast
-import hashlib
 import json
 import random
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +24,7 @@ from ..validate import InputError, parse_layer_ids
 from ..datasets import CODE_INSTRUCTION, MATH_INSTRUCTION
 from ..sampling import SamplingParams, next_token
 from .data import FeatureShardWriter
+from .manifest import DataManifest
 
 
 def gsm8k_train_prompts(path: str) -> list[str]:
@@ -162,23 +161,6 @@ def training_prompts(a, with_sources: bool = False):
     return tagged if with_sources else [p for p, _ in tagged]
 
 
-def prompt_digest(prompt: str) -> str:
-    """A short hash of a prompt without the instructions this repository adds, case and spacing folded: the
-    manifest lists these so a test can check that no evaluation prompt was trained on."""
-    text = prompt.replace(MATH_INSTRUCTION, "").replace(CODE_INSTRUCTION, "")
-    return hashlib.sha256(" ".join(text.lower().split()).encode()).hexdigest()[:16]
-
-
-def evaluation_digests() -> set[str]:
-    """`prompt_digest` of every evaluation prompt (HumanEval, the GSM8K test sample, both MT-Bench turns) and of
-    drafttree's own prompt sets: what a training manifest's digests must never contain."""
-    from ..datasets import BUILT_IN, SOURCES, _read_lines, load_prompts
-
-    digests = {prompt_digest(p) for name in (*SOURCES, *BUILT_IN) for p in load_prompts(name)}
-    digests |= {prompt_digest(t) for r in _read_lines(*SOURCES["mtbench"]) for t in r["turns"]}
-    return digests
-
-
 def parse_part(spec: str) -> tuple[int, int]:
     """--part K/N: this process decodes every N-th prompt from the K-th (parallel generators, one per core)."""
     try:
@@ -195,37 +177,6 @@ def length_sorted(prompts: list[str], lengths: list[int], window: int) -> list[s
     even along the run, and a deterministic order (resuming relies on it)."""
     return [p for w in range(0, len(prompts), window)
             for _, p in sorted(zip(lengths[w:w + window], prompts[w:w + window]), key=lambda x: x[0])]
-
-
-class DataManifest:
-    """manifest.json beside the shards: settings, decontamination, per-source counts and licences, and the
-    digest of every prompt decoded (`prompt_digest`), rewritten atomically after each shard."""
-
-    def __init__(self, out: Path, settings: dict, decontamination: dict):
-        from .anchor_labels import SOURCES_INFO
-
-        self.file, self.t0 = out / "manifest.json", time.perf_counter()
-        old = json.loads(self.file.read_text()) if self.file.exists() else None
-        if old is not None and old.get("settings") != settings:
-            raise InputError(f"{self.file} was made with other settings ({old.get('settings')}): use another --out")
-        self.data = old or {"generator": "self-distillation", "settings": settings, "decontamination": decontamination,
-                            "answers": "the target's own replies (greedy, or sampled where counted below)",
-                            "sources": {k: {**v, "prompts": 0, "reply_tokens": 0, "tokens": 0}
-                                        for k, v in SOURCES_INFO.items() if k != "python-stdlib-docs"},
-                            "sampled_prompts": 0, "wall_s": 0.0, "prompt_digests": []}
-        self.wall0 = self.data["wall_s"]
-
-    def add(self, prompt: str, source: str, tokens: int, reply_tokens: int, sampled: bool):
-        entry = self.data["sources"][source]
-        entry["prompts"] += 1
-        entry["tokens"] += tokens
-        entry["reply_tokens"] += reply_tokens
-        self.data["sampled_prompts"] += int(sampled)
-        self.data["prompt_digests"].append(prompt_digest(prompt))
-
-    def save(self):
-        self.data["wall_s"] = round(self.wall0 + time.perf_counter() - self.t0, 1)
-        atomic_write_text(self.file, json.dumps(self.data, indent=1))
 
 
 def make_decoder(a, target, layers, stops, done: int):
