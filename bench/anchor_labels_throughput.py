@@ -19,6 +19,8 @@ def main():
     ap.add_argument("--seconds", type=float, default=40.0, help="for the old generator and stride-8 anchors; "
                     "half of it for the two other variants")
     ap.add_argument("--gsm8k", default="../shared/data/gsm8k/train.jsonl")
+    ap.add_argument("--hf-batch", type=int, default=128, help="transformers' batched generate at this batch "
+                    "(`train data --engine hf`), whole batches")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     cpu = cpu_info()
@@ -28,8 +30,8 @@ def main():
     print(f"CPU: {cpu.model} ({cpu.arch}); ISA: {cpu.isa_summary}; torch threads {torch.get_num_threads()}; "
           f"target {a.model} on {target.compute_label}")
     s = a.seconds
-    res = measure_throughput(target, {"packed": s, "anchors-s8": s, "anchors-s8-decode-all": s / 2, "anchors-s1": s / 2},
-                             gsm8k=a.gsm8k)
+    res = measure_throughput(target, {"packed": s, f"hf-{a.hf_batch}": s, "anchors-s8": s, "anchors-s8-decode-all": s / 2,
+                                      "anchors-s1": s / 2}, gsm8k=a.gsm8k)
     print("| generator | s | texts | labelled blocks/s | label tokens/s |\n|---|---:|---:|---:|---:|")
     for name, r in res.items():
         print(f"| {name} | {r['seconds']} | {r['texts']} | {r['blocks_per_s']} | {r['label_tokens_per_s']} |")

@@ -45,3 +45,16 @@ def test_last_layer_is_refused(tiny_checkpoint):
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     with pytest.raises(ValueError, match="final norm"):
         generate_batch(hf, [torch.tensor([1, 2])], 4, SamplingParams(), (hf.config.num_hidden_layers - 1,), set(), 0)
+
+
+def test_hf_model_for_a_target_has_its_weights(tiny_checkpoint):
+    from drafttree.drafter.batched_replies import hf_model_for
+    from drafttree.load import load_target
+
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    hf, pad = hf_model_for(target, torch.float32)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    ref = target.model.prefill(target.model.new_state(16), ids[0]).logits[-1]
+    torch.testing.assert_close(hf(ids).logits[0, -1], ref, atol=1e-4, rtol=1e-4)
+    assert isinstance(pad, int)

@@ -584,7 +584,8 @@ def measure_throughput(target, seconds: dict | None = None, layers=(1, 7, 14, 20
 
     A labelled position is a context with the target's next B-1 greedy tokens the trainer can use as
     one block: for the old generator every reply token (its reply continues greedily after it), here
-    every anchor. Label tokens per second are reported too (old: one per reply token)."""
+    every anchor. Label tokens per second are reported too (old: one per reply token).
+    "hf-N": transformers' batched generate (`datagen --engine hf`, bf16) at batch N, whole batches."""
     from ..sampling import SamplingParams
     from .datagen import generate_packed
 
@@ -595,7 +596,20 @@ def measure_throughput(target, seconds: dict | None = None, layers=(1, 7, 14, 20
     start = 0
     for name, secs in seconds.items():
         t0, i, blocks, label_tokens, text_tokens = time.perf_counter(), start, 0, 0, 0
-        if name == "packed":
+        if name.startswith("hf-"):
+            from .batched_replies import generate_batch, hf_model_for
+
+            hf, pad = hf_model_for(target)
+            size = int(name.removeprefix("hf-"))
+            while time.perf_counter() - t0 < secs:
+                prompts = [target.encode_chat(dialogues[(i + k) % len(dialogues)]["messages"][0]["content"])
+                           for k in range(size)]
+                i += size
+                for toks, _, plen in generate_batch(hf, prompts, max_new_tokens, SamplingParams(), tuple(layers),
+                                                    set(stops), pad):
+                    blocks += toks.numel() - plen
+            label_tokens = blocks
+        elif name == "packed":
             while time.perf_counter() - t0 < secs:
                 prompts = [target.encode_chat(dialogues[(i + k) % len(dialogues)]["messages"][0]["content"])
                            for k in range(batch)]

@@ -58,3 +58,16 @@ def generate_batch(hf_model, prompts: list[torch.Tensor], max_new_tokens: int, s
         tokens = torch.cat([p, torch.tensor(reply[:n - 1], dtype=torch.long)])
         results.append((tokens, torch.cat(feats), p.numel()))
     return results
+
+
+def hf_model_for(target, dtype: torch.dtype = torch.bfloat16):
+    """(transformers model, pad id) of a drafttree target: the same weights (an embedded model's converted
+    checkpoint, or its directory), sdpa attention."""
+    from transformers import AutoModelForCausalLM
+
+    from ..gguf_convert import EMBEDDED, convert_embedded
+
+    path = convert_embedded(target.name) if target.name in EMBEDDED else target.name
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
+    pad = getattr(target.tokenizer, "pad_token_id", None)  # padding is masked: any id serves when none is named
+    return hf, pad if pad is not None else (target.stop_token_ids or (0,))[0]

@@ -183,14 +183,9 @@ def make_decoder(a, target, layers, stops, done: int):
     """(prompt ids list, sampling, seed) -> [(tokens, features, prompt_len)] for the chosen engine."""
     model = target.model
     if a.engine == "hf":
-        from transformers import AutoModelForCausalLM
+        from .batched_replies import generate_batch, hf_model_for
 
-        from ..gguf_convert import EMBEDDED, convert_embedded
-        from .batched_replies import generate_batch
-
-        path = convert_embedded(a.model) if a.model in EMBEDDED else a.model
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype, attn_implementation="sdpa").eval()
-        pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else target.stop_token_ids[0]
+        hf, pad = hf_model_for(target, model.dtype)
         return lambda ids, mode, seed: generate_batch(hf, ids, a.max_new_tokens, mode, layers, stops, pad, seed)
     gen = torch.Generator().manual_seed(a.seed + done)
     return lambda ids, mode, seed: generate_packed(model, ids, a.max_new_tokens, mode, layers, stops, gen)
