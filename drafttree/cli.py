@@ -159,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--method", default="lookup-caddtree-online", choices=list(METHODS))
     d.add_argument("--budget", type=int, default=16)
     d.add_argument("--drafter", default=None, help="drafter directory (default: the one shipped for the model)")
+    d.add_argument("--repeats", type=int, default=3, help="timed runs per method, interleaved; the median is reported")
     add_weaver_args(d)
     d.set_defaults(func=cmd_demo)
 

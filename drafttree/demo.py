@@ -5,12 +5,14 @@ from __future__ import annotations
 from .compute import compute_of
 from .load import load_target
 from .methods import SHIPPED_DRAFTERS, generate, load_drafter_for, make_proposer
+from .validate import check_int
 
 DEMO_PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                "How many clips did Natalia sell altogether in April and May?")
 
 
 def run_demo(a) -> int:
+    repeats = check_int("--repeats", getattr(a, "repeats", 3), minimum=1)  # before the model loads
     target = load_target(a.model, compute=compute_of(a), threads=a.threads)
     ids = target.encode_chat(DEMO_PROMPT)
     print(f"model: {target.name}, compute path {target.compute_label}: {target.compute.reason}\nprompt: {DEMO_PROMPT}\n")
@@ -22,21 +24,26 @@ def run_demo(a) -> int:
         return 0
     # The chosen method, plus the plain chain beside it so the tree's gain over a chain is visible too.
     methods = [] if a.method == "ar" else [a.method] + (["chain"] if a.method != "chain" else [])
-    runs = {}
-    for m in methods + ["ar"]:
-        proposer = None if m == "ar" else make_proposer(m, target, load_drafter_for(target, a.drafter), budget=a.budget,
-                                                        weaver=getattr(a, "weaver", None),
-                                                        weaver_width=getattr(a, "weaver_width", 8))
+    proposers = {m: None if m == "ar" else make_proposer(m, target, load_drafter_for(target, a.drafter), budget=a.budget,
+                                                         weaver=getattr(a, "weaver", None),
+                                                         weaver_width=getattr(a, "weaver_width", 8))
+                 for m in methods + ["ar"]}
+    for m, proposer in proposers.items():
         generate(m, target, ids[:16], 8, proposer=proposer)  # warm-up: first calls pay one-off costs
-        runs[m] = generate(m, target, ids, a.max_new_tokens, proposer=proposer)
+    # Interleaved repeats, median tok/s: one run per method is at the mercy of a noisy neighbour on a small VM.
+    all_runs = {m: [] for m in proposers}
+    for _ in range(repeats):
+        for m, proposer in proposers.items():
+            all_runs[m].append(generate(m, target, ids, a.max_new_tokens, proposer=proposer))
+    runs = {m: sorted(rs, key=lambda r: r.stats.tokens_per_s)[len(rs) // 2] for m, rs in all_runs.items()}
     print(target.decode(runs[a.method].tokens) + "\n")
     ar = runs["ar"]
     for run in runs.values():
         print(run.stats.line())
-    print()
+    print(f"(each line: the median-speed run of {repeats}, methods interleaved)\n" if repeats > 1 else "")
     for m in methods:
         spec = runs[m]
-        same = ("identical to" if ar.tokens == spec.tokens else
+        same = ("identical to" if all(r.tokens == ar.tokens for r in all_runs[m] + all_runs["ar"]) else
                 "different from (bf16 rounds a batched verify differently from one-token steps; "
                 "--dtype float32 matches AR up to fp32 near-ties)")
         st = spec.stats

@@ -261,6 +261,13 @@ def test_demo_takes_a_drafter_directory():
     assert build_parser().parse_args(["demo", "--drafter", "some/dir"]).drafter == "some/dir"
 
 
+def test_demo_repeats_must_be_positive(run_cli):
+    from drafttree.cli import build_parser
+
+    assert build_parser().parse_args(["demo"]).repeats == 3
+    _assert_one_line_error(*run_cli("demo", "--repeats", "0"), "--repeats", ">= 1")
+
+
 # ---- token ids (the Python API: validate.check_token_ids) --------------------------------------------
 
 
