@@ -24,7 +24,8 @@ def run_demo(a) -> int:
         return 0
     # The chosen method, plus the plain chain beside it so the tree's gain over a chain is visible too.
     methods = [] if a.method == "ar" else [a.method] + (["chain"] if a.method != "chain" else [])
-    proposers = {m: None if m == "ar" else make_proposer(m, target, load_drafter_for(target, a.drafter), budget=a.budget,
+    drafter = load_drafter_for(target, a.drafter)  # once: every method's proposer shares it
+    proposers = {m: None if m == "ar" else make_proposer(m, target, drafter, budget=a.budget,
                                                          weaver=getattr(a, "weaver", None),
                                                          weaver_width=getattr(a, "weaver_width", 8))
                  for m in methods + ["ar"]}

@@ -259,11 +259,10 @@ def main(argv=None) -> int:
     if not tagged:
         raise InputError("no training prompts: the sources chosen gave none" + (f" (is --gsm8k {a.gsm8k} empty?)"
                                                                                 if a.gsm8k else ""))
-    from .anchor_labels import evaluation_ngrams, ngrams
+    from .anchor_labels import contaminated, evaluation_ngrams
 
     grams, checked = evaluation_ngrams()  # a prompt sharing a 13-word run with an evaluation text is dropped
-    clean = [(p, src) for p, src in tagged if grams.isdisjoint(ngrams(p.replace(MATH_INSTRUCTION, "")
-                                                                        .replace(CODE_INSTRUCTION, "")))]
+    clean = [(p, src) for p, src in tagged if not contaminated({"messages": [{"content": p}]}, grams)]
     dropped = len(tagged) - len(clean)
     part, parts = parse_part(a.part)
     clean = clean[part::parts]
