@@ -15,7 +15,7 @@ def test_packed_generation_equals_ar_and_prefill_features(tiny_checkpoint):
     prompts = [torch.tensor([5, 9, 2, 33]), torch.tensor([7]), torch.tensor([1, 2, 3, 4, 5, 6])]
     ars = [generate_ar(target, p, max_new_tokens=10, stop_token_ids=()).tokens for p in prompts]
     out = generate_packed(model, prompts, 10, SamplingParams(), layers, stop_ids=set())
-    for p, ar, (tokens, feats, plen) in zip(prompts, ars, out):
+    for p, ar, (tokens, feats, plen, _, _) in zip(prompts, ars, out):
         assert plen == p.numel() and tokens.tolist() == p.tolist() + ar  # at the length cap the last token was fed too
         ref = model.prefill(model.new_state(256), tokens, capture_layers=layers).features
         torch.testing.assert_close(feats, ref, atol=1e-4, rtol=1e-4)

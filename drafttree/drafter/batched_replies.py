@@ -10,8 +10,10 @@ features reach the drafter at inference. HF `hidden_states[i + 1]` is the output
 from __future__ import annotations
 
 import torch
+from transformers import LogitsProcessor
 
 from ..sampling import SamplingParams
+from .data import Reply
 
 
 def _unpad_rows(step_states, layers, row, first, count):
@@ -19,11 +21,25 @@ def _unpad_rows(step_states, layers, row, first, count):
     return torch.cat([step_states[i + 1][row, first:first + count] for i in layers], dim=-1)
 
 
+class TopKRecorder(LogitsProcessor):
+    """Keeps the target's top-k log-probabilities at every decode step, unchanged scores passed on. It runs
+    before generate's temperature and top-p warpers, so it records the target's own distribution."""
+
+    def __init__(self, k: int):
+        self.k, self.steps = k, []
+
+    def __call__(self, input_ids, scores):
+        lp, ids = torch.log_softmax(scores.float(), dim=-1).topk(self.k, dim=-1)
+        self.steps.append((ids.to(torch.int32), lp.to(torch.float16)))
+        return scores
+
+
 @torch.inference_mode()
 def generate_batch(hf_model, prompts: list[torch.Tensor], max_new_tokens: int, sampling: SamplingParams,
-                   capture_layers: tuple[int, ...], stop_ids: set[int], pad_id: int, seed: int = 0):
-    """Replies to `prompts` (token id tensors) decoded together; returns (tokens [T], features [T, k*H],
-    prompt_len) per prompt, tokens = prompt + reply (a stop token included, then cut)."""
+                   capture_layers: tuple[int, ...], stop_ids: set[int], pad_id: int, seed: int = 0,
+                   top_k: int = 0) -> list[Reply]:
+    """Replies to `prompts` (token id tensors) decoded together, one Reply each: tokens = prompt + reply (a
+    stop token included, then cut), with the target's top-k at each reply row when top_k > 0."""
     last = hf_model.config.num_hidden_layers - 1
     if any(i >= last for i in capture_layers):
         raise ValueError(f"capture_layers {capture_layers}: transformers returns the last layer ({last}) after the final "
@@ -39,9 +55,10 @@ def generate_batch(hf_model, prompts: list[torch.Tensor], max_new_tokens: int, s
         torch.manual_seed(seed)
         kwargs = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p or 1.0,
                       top_k=sampling.top_k or 0)
+    recorder = TopKRecorder(top_k) if top_k else None
     out = hf_model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, min_new_tokens=1,
                             eos_token_id=sorted(stop_ids), pad_token_id=pad_id, output_hidden_states=True,
-                            return_dict_in_generate=True, **kwargs)
+                            return_dict_in_generate=True, logits_processor=[recorder] if recorder else None, **kwargs)
     replies = out.sequences[:, width:]
     states = out.hidden_states  # per step: tuple over layers+1 of [batch, T_step, H]
     results = []
@@ -56,7 +73,13 @@ def generate_batch(hf_model, prompts: list[torch.Tensor], max_new_tokens: int, s
         feats = [_unpad_rows(states[0], capture_layers, b, width - p.numel(), p.numel())]
         feats += [_unpad_rows(states[s], capture_layers, b, 0, 1) for s in range(1, n)]
         tokens = torch.cat([p, torch.tensor(reply[:n - 1], dtype=torch.long)])
-        results.append((tokens, torch.cat(feats), p.numel()))
+        topk = (None, None)
+        if recorder:  # step s predicted reply token s, which sits at row prompt_len + s
+            topk = (torch.cat([torch.zeros(p.numel(), top_k, dtype=torch.int32)] +
+                              [recorder.steps[s][0][b:b + 1] for s in range(n - 1)]),
+                    torch.cat([torch.full((p.numel(), top_k), float("-inf"), dtype=torch.float16)] +
+                              [recorder.steps[s][1][b:b + 1] for s in range(n - 1)]))
+        results.append(Reply(tokens, torch.cat(feats), p.numel(), *topk))
     return results
 
 

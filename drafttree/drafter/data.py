@@ -6,6 +6,9 @@ Shard format (`features-00000.safetensors`, any number per directory), sequences
   features   float*  [N, k*H]    target hidden states after layers `target_layer_ids`, concatenated in
                                  that order (HF `hidden_states[id + 1]`), usually bf16
   offsets    int64   [S + 1]     sequence i is rows offsets[i]:offsets[i+1]
+  topk_ids        int32   [N, k]      optional: the target's top-k tokens for each row's token (its
+                                 distribution one row earlier; the soft targets of self-distillation)
+  topk_logprobs   float16 [N, k]      optional: their log-probabilities (-inf: none, e.g. prompt rows)
 header metadata (strings): format="drafttree-dflash-features", version="1",
   target_layer_ids (JSON list), feature_dim, plus anything the writer adds (e.g. target name).
 Shards are read lazily through safetensors slices (memory-mapped; nothing is unpickled).
@@ -24,7 +27,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -34,6 +37,16 @@ from ..validate import InputError
 
 FORMAT = "drafttree-dflash-features"
 STALE_PARTIAL_S = 600  # a shard is written in seconds: an older `.partial` was left by a killed writer
+
+
+class Reply(NamedTuple):
+    """One decoded training sequence: tokens fed to the target (prompt + reply but its last token), their
+    features [T, k*H], the prompt length, and optionally the target's top-k at each row [T, k] (-inf: none)."""
+    tokens: torch.Tensor
+    features: torch.Tensor
+    prompt_len: int
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
 
 
 class ShardError(InputError):
@@ -86,7 +99,7 @@ class FeatureShardWriter:
                  dtype: torch.dtype = torch.bfloat16, metadata: dict | None = None):
         self.out_dir = Path(out_dir)
         self.target_layer_ids, self.tokens_per_shard, self.dtype, self.metadata = target_layer_ids, tokens_per_shard, dtype, metadata
-        self.buffer, self.buffered_tokens, self.shards = [], 0, 0
+        self.buffer, self.topk, self.buffered_tokens, self.shards = [], [], 0, 0
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for partial in self.out_dir.glob("features-*.safetensors.partial"):  # left by a killed writer
             try:
@@ -96,8 +109,11 @@ class FeatureShardWriter:
                 pass
         self.shards = len(list(self.out_dir.glob("features-*.safetensors")))  # append to an existing directory
 
-    def add(self, input_ids, features, loss_mask) -> None:
+    def add(self, input_ids, features, loss_mask, topk: tuple | None = None) -> None:
+        """topk: (ids [T, k], logprobs [T, k]) of the target at each row, or None; a shard stores them only
+        when every sequence in it has them."""
         self.buffer.append((input_ids.detach().cpu(), features.detach().cpu().to(self.dtype), loss_mask.detach().cpu()))
+        self.topk.append(topk)
         self.buffered_tokens += len(input_ids)
         if self.buffered_tokens >= self.tokens_per_shard:
             self.flush()
@@ -105,9 +121,13 @@ class FeatureShardWriter:
     def flush(self) -> None:
         if self.buffer:
             path = self.out_dir / f"features-{self.shards:05d}.safetensors"
-            write_feature_shard(path, self.buffer, self.target_layer_ids, self.dtype, self.metadata)
+            extra = None
+            if all(t is not None for t in self.topk):
+                extra = {"topk_ids": torch.cat([i for i, _ in self.topk]).to(torch.int32),
+                         "topk_logprobs": torch.cat([lp for _, lp in self.topk]).to(torch.float16)}
+            write_feature_shard(path, self.buffer, self.target_layer_ids, self.dtype, self.metadata, extra)
             self.shards += 1
-            self.buffer, self.buffered_tokens = [], 0
+            self.buffer, self.topk, self.buffered_tokens = [], [], 0
 
     def close(self) -> None:
         self.flush()
@@ -175,6 +195,12 @@ def _anchor_ranges(f: Path, off: list) -> list:
     """Per sequence of an anchor-label shard its rows of `anchors`/`labels` (None for a plain shard)."""
     with safe_open(str(f), framework="pt") as sf:  # its header was read already: the file opens
         if "anchor_offsets" not in sf.keys():
+            if "topk_ids" in sf.keys() or "topk_logprobs" in sf.keys():  # per-row soft targets [N, k]
+                n, shapes = off[-1], [tuple(sf.get_slice(k).get_shape()) if k in sf.keys() else None
+                                      for k in ("topk_ids", "topk_logprobs")]
+                if shapes[0] != shapes[1] or len(shapes[0]) != 2 or shapes[0][0] != n:
+                    raise ValueError(f"{f}: inconsistent top-k tensors {shapes} for {n} rows: delete it or regenerate "
+                                     "it with `drafttree train data`")
             return [None] * (len(off) - 1)
         aoff = sf.get_tensor("anchor_offsets").tolist()
         anchors = sf.get_tensor("anchors").long() if "anchors" in sf.keys() else torch.zeros(0, dtype=torch.long)
@@ -287,6 +313,9 @@ class FeatureDataset:
             if "topk_ids" in sf.keys():
                 item["topk_ids"] = sf.get_slice("topk_ids")[lo:hi].long()
                 item["topk_logprobs"] = sf.get_slice("topk_logprobs")[lo:hi].float()
+        elif "topk_ids" in sf.keys():  # self-distillation shard with the target's top-k per row [T, k]
+            item["topk_ids"] = sf.get_slice("topk_ids")[a:b].long()
+            item["topk_logprobs"] = sf.get_slice("topk_logprobs")[a:b].float()
         return item
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:

@@ -23,8 +23,8 @@ from ..atomic import atomic_write_text
 from ..validate import InputError, parse_layer_ids
 from ..datasets import CODE_INSTRUCTION, MATH_INSTRUCTION
 from ..sampling import SamplingParams, next_token
-from .data import FeatureShardWriter
-from .manifest import DataManifest
+from .data import FeatureShardWriter, Reply
+from .manifest import DataManifest, prompt_digest
 
 
 def gsm8k_train_prompts(path: str) -> list[str]:
@@ -42,11 +42,35 @@ def gsm8k_train_prompts(path: str) -> list[str]:
     return prompts
 
 
-def stdlib_code_prompts(limit: int = 4000, seed: int = 0) -> list[str]:
-    """HumanEval-shaped prompts (signature + docstring) from the Python standard library's own functions."""
-    lib = Path(sysconfig.get_paths()["stdlib"])
+# Packages whose functions become code prompts beside the standard library's (`--code-packages`), with their
+# licences (all permissive); found on the machine, never downloaded.
+CODE_PACKAGES = {"numpy": "BSD-3-Clause", "scipy": "BSD-3-Clause", "sympy": "BSD-3-Clause", "networkx": "BSD-3-Clause",
+                 "jinja2": "BSD-3-Clause", "click": "BSD-3-Clause", "pygments": "BSD-2-Clause", "rich": "MIT",
+                 "tqdm": "MIT and MPL-2.0", "requests": "Apache-2.0", "packaging": "Apache-2.0 or BSD-2-Clause"}
+
+
+def code_package_roots(packages: tuple[str, ...]) -> list[Path]:
+    """Source directories of installed CODE_PACKAGES; a name off the list or not installed is an InputError."""
+    import importlib.util
+
+    unknown = sorted(set(packages) - set(CODE_PACKAGES))
+    if unknown:
+        raise InputError(f"--code-packages: {unknown} not among the licence-checked packages {sorted(CODE_PACKAGES)}")
+    specs = {name: importlib.util.find_spec(name) for name in packages}
+    missing = sorted(n for n, sp in specs.items() if sp is None or not sp.submodule_search_locations)
+    if missing:
+        raise InputError(f"--code-packages: {missing} not installed here (pip install them, or leave them out)")
+    return [Path(next(iter(sp.submodule_search_locations))) for sp in specs.values()]
+
+
+def stdlib_code_prompts(limit: int = 4000, seed: int = 0, packages: tuple[str, ...] = ()) -> list[str]:
+    """HumanEval-shaped prompts (signature + docstring) from the Python standard library's own functions, or
+    from the installed `packages` (names of CODE_PACKAGES) when given."""
+    import importlib.util
+
+    roots = code_package_roots(packages) if packages else [Path(sysconfig.get_paths()["stdlib"])]
     prompts = []
-    for f in sorted(lib.rglob("*.py")):
+    for lib, f in ((lib, f) for lib in roots for f in sorted(lib.rglob("*.py"))):
         rel = f.relative_to(lib).parts
         if "site-packages" in rel or any("test" in part for part in rel):
             continue
@@ -103,7 +127,8 @@ def sharegpt_prompts(limit: int = 4000, seed: int = 0) -> list[str]:
 @torch.inference_mode()
 def generate_packed(model, prompts: list[torch.Tensor], max_new_tokens: int, sampling: SamplingParams,
                     capture_layers: tuple[int, ...], stop_ids: set[int], generator=None):
-    """Decode several prompts together in one cache; returns (tokens [T], features [T, k*H], prompt_len) each.
+    """Decode several prompts together in one cache; returns a Reply (tokens [T], features [T, k*H], prompt_len)
+    each.
 
     Tokens are everything fed to the target (prompt + reply except its last token), so every row has
     its feature; the reply's last token is only ever predicted.
@@ -146,7 +171,7 @@ def generate_packed(model, prompts: list[torch.Tensor], max_new_tokens: int, sam
     results = []
     for b, p in enumerate(prompts):
         f = torch.cat(feats[b])
-        results.append((torch.tensor(toks[b][: f.shape[0]]), f, p.numel()))
+        results.append(Reply(torch.tensor(toks[b][: f.shape[0]]), f, p.numel()))
     return results
 
 
@@ -155,7 +180,13 @@ def training_prompts(a, with_sources: bool = False):
     with_sources: (prompt, source name) pairs."""
     tagged = [(p, "gsm8k-train") for p in (gsm8k_train_prompts(a.gsm8k)[: a.gsm8k_limit] if a.gsm8k else [])]
     tagged += [(p, "python-stdlib-code") for p in (stdlib_code_prompts(a.code, a.seed) if a.code else [])]
+    packages = tuple(x for x in (getattr(a, "code_packages", "") or "").split(",") if x)
+    if packages and a.package_code:
+        tagged += [(p, "python-packages-code") for p in stdlib_code_prompts(a.package_code, a.seed, packages)]
     tagged += [(p, "sharegpt") for p in (sharegpt_prompts(a.sharegpt, a.seed) if a.sharegpt else [])]
+    if getattr(a, "skip_seen", None):  # prompts an earlier drafter trained on (a merged data manifest)
+        seen = set(json.loads(Path(a.skip_seen).read_text())["prompt_digests"])
+        tagged = [(p, src) for p, src in tagged if prompt_digest(p) not in seen]
     random.Random(a.seed).shuffle(tagged)
     tagged = tagged[: a.limit]
     return tagged if with_sources else [p for p, _ in tagged]
@@ -186,7 +217,8 @@ def make_decoder(a, target, layers, stops, done: int):
         from .batched_replies import generate_batch, hf_model_for
 
         hf, pad = hf_model_for(target, model.dtype)
-        return lambda ids, mode, seed: generate_batch(hf, ids, a.max_new_tokens, mode, layers, stops, pad, seed)
+        return lambda ids, mode, seed: generate_batch(hf, ids, a.max_new_tokens, mode, layers, stops, pad, seed,
+                                                      a.top_k)
     gen = torch.Generator().manual_seed(a.seed + done)
     return lambda ids, mode, seed: generate_packed(model, ids, a.max_new_tokens, mode, layers, stops, gen)
 
@@ -195,11 +227,22 @@ def check_arguments(a) -> tuple[int, ...]:
     """The options of `train data`, checked before the model loads; returns the capture layer ids."""
     from ..validate import check_finite, check_int, check_model_cache, check_model_dir, check_threads, check_writable
 
-    if not a.gsm8k and not a.code and not a.sharegpt:
-        raise InputError("no prompt source: give --gsm8k FILE (GSM8K's train jsonl), --code N (stdlib code prompts) "
-                         "and/or --sharegpt N")
-    for name in ("code", "sharegpt"):
-        check_int(f"--{name}", getattr(a, name), minimum=0)
+    if not a.gsm8k and not a.code and not a.sharegpt and not a.package_code:
+        raise InputError("no prompt source: give --gsm8k FILE (GSM8K's train jsonl), --code N (stdlib code prompts), "
+                         "--package-code N and/or --sharegpt N")
+    if a.skip_seen:
+        try:
+            json.loads(Path(a.skip_seen).read_text())["prompt_digests"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InputError(f"--skip-seen {a.skip_seen}: not a data manifest with prompt_digests ({type(e).__name__}: "
+                             f"{e}); give a drafter's data-manifest.json or a data directory's manifest.json") from None
+    for name in ("code", "sharegpt", "package_code"):
+        check_int("--" + name.replace("_", "-"), getattr(a, name), minimum=0)
+    if a.package_code:
+        code_package_roots(tuple(x for x in a.code_packages.split(",") if x))
+    check_int("--top-k", a.top_k, minimum=0)
+    if a.top_k and a.engine != "hf":
+        raise InputError(f"--top-k {a.top_k} needs --engine hf (the packed engine does not keep the target's top-k)")
     for name in ("batch", "max_new_tokens", "max_prompt_tokens", "limit", "gsm8k_limit"):
         if getattr(a, name) is not None:
             check_int("--" + name.replace("_", "-"), getattr(a, name), minimum=1)
@@ -238,13 +281,21 @@ def main(argv=None) -> int:
     ap.add_argument("--gsm8k", help="GSM8K *train* jsonl (never the test set)")
     ap.add_argument("--gsm8k-limit", type=int, default=None, help="use at most N GSM8K questions")
     ap.add_argument("--code", type=int, default=2000, help="number of stdlib code prompts")
+    ap.add_argument("--package-code", type=int, default=0, help="number of code prompts from --code-packages")
+    ap.add_argument("--code-packages", default="numpy,scipy,sympy,networkx,jinja2,click,pygments,rich",
+                    help="installed packages whose functions become code prompts (licence-checked list: "
+                    + ", ".join(sorted(CODE_PACKAGES)) + ")")
     ap.add_argument("--sharegpt", type=int, default=0, help="number of ShareGPT first turns (training-only package)")
+    ap.add_argument("--skip-seen", help="a data manifest (e.g. the shipped drafter's data-manifest.json): its prompts "
+                    "are left out, so a fine-tuning round sees new ones")
     ap.add_argument("--layers", default="1,7,14,20,27", help="target layer ids whose outputs are captured")
     ap.add_argument("--engine", choices=("packed", "hf", "anchors"), default="packed",
                     help="packed: the lean runtime, prompts packed in one cache; hf: transformers' batched generate; "
                     "anchors: the target's greedy blocks after anchors of existing text (drafttree.drafter."
                     "anchor_labels; see `--engine anchors --help`)")
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--top-k", type=int, default=0, help="hf engine: store the target's top-k at each reply token "
+                    "(soft targets for `train drafter --soft-target-weight`)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-tokens", type=int, default=400, help="longer prompts are skipped")
     ap.add_argument("--sampled-fraction", type=float, default=0.25, help="share of prompts answered at T=0.8")
@@ -282,10 +333,14 @@ def main(argv=None) -> int:
     progress_file = out / f"progress-{a.engine}-seed{a.seed}.json"
     done = json.loads(progress_file.read_text())["prompts_done"] if progress_file.exists() else 0
     manifest = DataManifest(out, {"engine": a.engine, "target": a.model, "dtype": a.dtype, "seed": a.seed,
-                                  "part": a.part, "max_new_tokens": a.max_new_tokens,
+                                  "part": a.part, "max_new_tokens": a.max_new_tokens, "top_k": a.top_k,
                                   "sampled_fraction": a.sampled_fraction, "capture_layers": list(layers),
                                   "sources_requested": {"gsm8k": a.gsm8k, "gsm8k_limit": a.gsm8k_limit,
-                                                        "code": a.code, "sharegpt": a.sharegpt, "limit": a.limit}},
+                                                        "code": a.code, "sharegpt": a.sharegpt, "limit": a.limit,
+                                                        **({"package_code": a.package_code,
+                                                            "code_packages": a.code_packages} if a.package_code
+                                                           else {}),
+                                                        **({"skip_seen": a.skip_seen} if a.skip_seen else {})}},
                             {"method": "13-gram word overlap with the evaluation sets' texts", "checked": checked,
                              "dropped_prompts": dropped})
     decode = make_decoder(a, target, layers, stops, done)
@@ -298,10 +353,10 @@ def main(argv=None) -> int:
         batch = [(p, x) for p, x in batch if x.numel() <= a.max_prompt_tokens]  # truncating would cut the template
         mode = sampled if random.Random(start).random() < a.sampled_fraction else greedy
         replies = decode([x for _, x in batch], mode, a.seed * 1_000_003 + start) if batch else []
-        for (p, _), (toks, feats, plen) in zip(batch, replies):
+        for (p, _), (toks, feats, plen, top_ids, top_lps) in zip(batch, replies):
             mask = torch.zeros(toks.numel(), dtype=torch.uint8)
             mask[plen:] = 1
-            writer.add(toks, feats, mask)
+            writer.add(toks, feats, mask, None if top_ids is None else (top_ids, top_lps))
             tokens_total += toks.numel() - plen
             manifest.add(p, source_of[p], toks.numel(), toks.numel() - plen, sampled=mode is sampled)
         writer.flush()  # a shard per batch: progress below never claims unwritten data

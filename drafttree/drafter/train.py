@@ -118,11 +118,8 @@ def build_batch(seqs: list[dict], cfg: DFlashConfig, blocks_per_seq: int, gen: t
         labels.append(lab)
         weights.append(ok.float() * pos_weight)
         if top_k:  # the target's top-k at each label position; -inf: no soft target there
-            has = "topk_ids" in s
-            top_ids.append(_stored_blocks(s, "topk_ids", a, B - 1, 0, top_k) if has else torch.zeros(nb, B - 1, top_k,
-                                                                                                       dtype=torch.long))
-            lp = _stored_blocks(s, "topk_logprobs", a, B - 1, float("-inf"), top_k) if has else \
-                torch.full((nb, B - 1, top_k), float("-inf"))
+            ids_k, lp = _soft_targets(s, a, tgt, B - 1, top_k)
+            top_ids.append(ids_k)
             top_lps.append(lp.masked_fill(~ok[..., None], float("-inf")))
         tokens.append(ids[a])
     batch = {"context_features": feats, "context_positions": ctx_pos, "anchor_tokens": torch.stack(tokens),
@@ -131,6 +128,20 @@ def build_batch(seqs: list[dict], cfg: DFlashConfig, blocks_per_seq: int, gen: t
     if top_k:
         batch["topk_ids"], batch["topk_logprobs"] = torch.cat(top_ids), torch.cat(top_lps)
     return batch
+
+
+def _soft_targets(s: dict, anchors: torch.Tensor, rows: torch.Tensor, depth: int, width: int):
+    """(ids, logprobs) [nb, depth, width] of the target's top-k at each label position: an anchor-label shard
+    stores them per anchor, a self-distillation shard per row (`rows` [nb, depth] index it), others have none."""
+    if "topk_ids" not in s:
+        return torch.zeros(anchors.numel(), depth, width, dtype=torch.long), \
+            torch.full((anchors.numel(), depth, width), float("-inf"))
+    if "anchors" in s:
+        return (_stored_blocks(s, "topk_ids", anchors, depth, 0, width),
+                _stored_blocks(s, "topk_logprobs", anchors, depth, float("-inf"), width))
+    pad = [0, width - s["topk_ids"].shape[-1]]
+    return (torch.nn.functional.pad(s["topk_ids"][rows][..., :width], pad, value=0),
+            torch.nn.functional.pad(s["topk_logprobs"][rows][..., :width], pad, value=float("-inf")))
 
 
 def _stored_blocks(s: dict, key: str, anchors: torch.Tensor, depth: int, fill, width: int | None = None):
@@ -199,35 +210,43 @@ def block_loss(hidden: torch.Tensor, batch: dict, head: torch.Tensor, drafter: D
     return loss, correct
 
 
+def block_tally(correct: torch.Tensor, labels: torch.Tensor) -> dict:
+    """Per-depth correct and valid counts, the sum of block τ (1 + leading correct drafts: the greedy chain's
+    acceptance estimate) and the block count of one batch; sums of these give the logged accuracy and τ."""
+    valid = labels >= 0
+    run = (correct & valid).int().cumprod(1).sum(1)
+    return {"correct": (correct & valid).sum(0), "valid": valid.sum(0), "tau": float((1 + run).float().sum()),
+            "blocks": run.numel()}
+
+
+def heldout_batches(data: FeatureDataset, cfg: DFlashConfig, tc: TrainConfig, sequences: int = 64,
+                    per_forward: int = 8) -> list[dict]:
+    """Batches over the first `sequences` held-out sequences with fixed anchors, built once per run."""
+    ids = list(range(min(sequences, len(data))))
+    batches = (build_batch([data[i] for i in ids[k:k + per_forward]], cfg, tc.blocks_per_seq,
+                           torch.Generator().manual_seed(tc.seed * 7919 + k), tc.loss_decay_gamma, tc.max_context)
+               for k in range(0, len(ids), per_forward))
+    return [b for b in batches if b is not None]
+
+
 @torch.no_grad()
-def heldout_metrics(model: nn.Module, data: FeatureDataset, drafter: DFlashDrafter, head: torch.Tensor, tc: TrainConfig,
-                    use_bf16: bool, sequences: int = 64, per_forward: int = 8) -> dict:
-    """Block τ (1 + leading correct drafts, the greedy chain's acceptance estimate) and top-1 accuracy by depth on
-    the first `sequences` sequences of a held-out directory, the same anchors every time: the curve that tells
-    learning from memorising."""
+def heldout_metrics(model: nn.Module, batches: list[dict], drafter: DFlashDrafter, head: torch.Tensor, tc: TrainConfig,
+                    use_bf16: bool) -> dict:
+    """Block τ and top-1 accuracy by depth on the held-out batches, the same anchors every time: the curve that
+    tells learning from memorising."""
     was_training = drafter.training
     drafter.eval()
-    cfg, depth = drafter.config, drafter.config.block_size - 1
-    correct_sum, valid_sum, tau_sum, blocks = torch.zeros(depth), torch.zeros(depth), 0.0, 0
-    ids = list(range(min(sequences, len(data))))
-    for k in range(0, len(ids), per_forward):
-        gen = torch.Generator().manual_seed(tc.seed * 7919 + k)
-        batch = build_batch([data[i] for i in ids[k:k + per_forward]], cfg, tc.blocks_per_seq, gen,
-                            tc.loss_decay_gamma, tc.max_context)
-        if batch is None:
-            continue
+    total = {"correct": 0, "valid": 0, "tau": 0.0, "blocks": 0}
+    for batch in batches:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
             hidden = model(batch["context_features"].float(), batch["context_positions"], batch["anchor_tokens"],
                            batch["block_positions"], batch["attn_mask"])
         _, correct = block_loss(hidden, batch, head, drafter, tc.ce_chunk_rows)
-        valid = batch["labels"] >= 0
-        correct_sum += (correct & valid).sum(0)
-        valid_sum += valid.sum(0)
-        run = (correct & valid).int().cumprod(1).sum(1)
-        tau_sum += float((1 + run).float().sum())
-        blocks += run.numel()
+        total = {k: total[k] + v for k, v in block_tally(correct, batch["labels"]).items()}
     drafter.train(was_training)
-    return {"heldout_tau": tau_sum / max(1, blocks), "heldout_accuracy": (correct_sum / valid_sum.clamp(min=1)).tolist()}
+    valid = torch.as_tensor(total["valid"]).clamp(min=1)
+    return {"heldout_tau": total["tau"] / max(1, total["blocks"]),
+            "heldout_accuracy": (torch.as_tensor(total["correct"]) / valid).tolist()}
 
 
 # ---- optimizer / schedule -----------------------------------------------------------------
@@ -420,6 +439,8 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
     window = {"loss": 0.0, "n": 0, "correct": 0, "valid": 0, "tau": 0.0, "blocks": 0, "t": 0.0}
     seen: list[int] = []
     window_steps = 0
+    if heldout is not None:  # built once: the same anchors at every checkpoint
+        heldout = heldout_batches(heldout, cfg, tc)
     if heldout is not None and state["step"] == 0:  # the starting point of the held-out curve (the init's τ)
         metrics.append({"step": 0, **heldout_metrics(BlockForward(drafter, embed), heldout, drafter, head, tc, use_bf16)})
     bar = tqdm(range(state["step"], tc.steps), initial=state["step"], total=tc.steps,
@@ -448,14 +469,10 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
         window["t"] += time.perf_counter() - t0
         window_steps += 1
         if correct is not None:
-            valid = batch["labels"] >= 0
             window["loss"] += float(loss.detach())
             window["n"] += 1
-            window["correct"] += (correct & valid).sum(0)
-            window["valid"] += valid.sum(0)
-            run = (correct & valid).int().cumprod(1).sum(1)  # leading correct drafts per block
-            window["tau"] += float((1 + run).float().sum())
-            window["blocks"] += run.numel()
+            for k, v in block_tally(correct, batch["labels"]).items():
+                window[k] += v
         done = step + 1
         if done % tc.log_every == 0 or done in (tc.steps, tc.stop_at):
             if world > 1:  # log the mean over all ranks, not rank 0's share
