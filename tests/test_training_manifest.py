@@ -74,3 +74,10 @@ def test_merge_reads_manifests_and_recovers_digests_from_older_shards(tmp_path):
         user_turn("plain text")
     with pytest.raises(InputError, match="no manifest.json"):
         merge([tmp_path / "old"], tmp_path / "m2.json", None)
+    # a fine-tuning round: the parent's merged manifest plus the new directory
+    again = merge([tmp_path / "m.json", tmp_path / "new"], tmp_path / "m3.json", None)
+    assert again["prompt_digests"] == merged["prompt_digests"] + [prompt_digest("Name a colour.")]
+    assert again["sources"]["sharegpt"]["prompts"] == 2 and len(again["parts"]) == 3
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(InputError, match="not a merged data manifest"):
+        merge([tmp_path / "bad.json"], tmp_path / "m4.json", None)

@@ -96,19 +96,33 @@ def digests_from_shards(data_dir: str | Path, tokenizer) -> list[str]:
 
 def merge(paths: list[Path], out: Path, tokenizer=None) -> dict:
     """One manifest for everything a drafter saw: each directory's manifest.json, or (none there) digests
-    recovered from its shards with the tokenizer."""
+    recovered from its shards with the tokenizer; a path that is a file is an earlier merged manifest (a
+    fine-tuned drafter's data is its parent's plus its own)."""
     merged = {"parts": [], "sources": {}, "prompt_digests": []}
+
+    def add_sources(sources: dict):
+        for name, entry in sources.items():
+            tot = merged["sources"].setdefault(name, {k: v for k, v in entry.items() if isinstance(v, str)})
+            for k, v in entry.items():
+                if not isinstance(v, str):
+                    tot[k] = tot.get(k, 0) + v
+
     for d in paths:
         f = d / "manifest.json"
+        if d.is_file():
+            m = json.loads(d.read_text())
+            if not {"parts", "sources", "prompt_digests"} <= set(m):
+                raise InputError(f"{d} is not a merged data manifest (parts, sources, prompt_digests): give data "
+                                 "directories or a drafter's data-manifest.json")
+            merged["parts"] += m["parts"]
+            add_sources(m["sources"])
+            merged["prompt_digests"] += m["prompt_digests"]
+            continue
         if f.exists():
             m = json.loads(f.read_text())
             part = {k: m[k] for k in ("generator", "settings", "decontamination", "wall_s") if k in m}
             digests = m["prompt_digests"]
-            for name, entry in m["sources"].items():
-                tot = merged["sources"].setdefault(name, {k: v for k, v in entry.items() if isinstance(v, str)})
-                for k, v in entry.items():
-                    if not isinstance(v, str):
-                        tot[k] = tot.get(k, 0) + v
+            add_sources(m["sources"])
         else:
             if tokenizer is None:
                 raise InputError(f"{d} has no manifest.json: give --model so its prompts can be read from the shards")
@@ -126,7 +140,7 @@ def merge(paths: list[Path], out: Path, tokenizer=None) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("dirs", nargs="+", help="data directories the drafter was trained on")
+    ap.add_argument("dirs", nargs="+", help="data directories the drafter was trained on (or earlier merged manifests)")
     ap.add_argument("--out", required=True, help="the merged manifest (JSON)")
     ap.add_argument("--model", default="smollm2-135m-instruct", help="its tokenizer reads shards without a manifest")
     a = ap.parse_args(argv)
