@@ -203,7 +203,7 @@ def test_self_distillation_soft_targets_follow_the_label_rows(tmp_path):
             top_ids = torch.stack([ids, (ids + 1) % V, (ids + 2) % V], -1)  # top-1 = the token at the row
             lps = torch.log_softmax(torch.randn(T, k, generator=g), -1).sort(-1, descending=True).values
             lps[:6] = float("-inf")  # prompt rows: none
-            w.add(ids, torch.randn(T, 3 * H, generator=g), torch.arange(T) >= 6, (top_ids, lps))
+            w.add(ids, torch.randn(T, 3 * H, generator=g), torch.arange(T) >= 6, top_ids, lps)
     with FeatureShardWriter(tmp_path / "plain", LAYER_IDS) as w:
         w.add(torch.randint(0, V, (T,), generator=g), torch.randn(T, 3 * H, generator=g), torch.arange(T) >= 6)
     ds, plain = FeatureDataset(tmp_path / "data"), FeatureDataset(tmp_path / "plain")

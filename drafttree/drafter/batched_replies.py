@@ -60,6 +60,9 @@ def generate_batch(hf_model, prompts: list[torch.Tensor], max_new_tokens: int, s
                             eos_token_id=sorted(stop_ids), pad_token_id=pad_id, output_hidden_states=True,
                             return_dict_in_generate=True, logits_processor=[recorder] if recorder else None, **kwargs)
     replies = out.sequences[:, width:]
+    if recorder:  # [batch, steps, k]: step s predicted reply token s, which sits at row prompt_len + s
+        top_ids = torch.stack([i for i, _ in recorder.steps], 1)
+        top_lps = torch.stack([lp for _, lp in recorder.steps], 1)
     states = out.hidden_states  # per step: tuple over layers+1 of [batch, T_step, H]
     results = []
     for b, p in enumerate(prompts):
@@ -74,11 +77,9 @@ def generate_batch(hf_model, prompts: list[torch.Tensor], max_new_tokens: int, s
         feats += [_unpad_rows(states[s], capture_layers, b, 0, 1) for s in range(1, n)]
         tokens = torch.cat([p, torch.tensor(reply[:n - 1], dtype=torch.long)])
         topk = (None, None)
-        if recorder:  # step s predicted reply token s, which sits at row prompt_len + s
-            topk = (torch.cat([torch.zeros(p.numel(), top_k, dtype=torch.int32)] +
-                              [recorder.steps[s][0][b:b + 1] for s in range(n - 1)]),
-                    torch.cat([torch.full((p.numel(), top_k), float("-inf"), dtype=torch.float16)] +
-                              [recorder.steps[s][1][b:b + 1] for s in range(n - 1)]))
+        if recorder:  # prompt rows: no soft target
+            topk = (torch.cat([torch.zeros(p.numel(), top_k, dtype=torch.int32), top_ids[b, :n - 1]]),
+                    torch.cat([torch.full((p.numel(), top_k), float("-inf"), dtype=torch.float16), top_lps[b, :n - 1]]))
         results.append(Reply(tokens, torch.cat(feats), p.numel(), *topk))
     return results
 

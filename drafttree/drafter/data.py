@@ -109,11 +109,11 @@ class FeatureShardWriter:
                 pass
         self.shards = len(list(self.out_dir.glob("features-*.safetensors")))  # append to an existing directory
 
-    def add(self, input_ids, features, loss_mask, topk: tuple | None = None) -> None:
-        """topk: (ids [T, k], logprobs [T, k]) of the target at each row, or None; a shard stores them only
-        when every sequence in it has them."""
+    def add(self, input_ids, features, loss_mask, topk_ids=None, topk_logprobs=None) -> None:
+        """topk_ids / topk_logprobs [T, k]: the target's top-k at each row (Reply's fields), or None; a shard
+        stores them only when every sequence in it has them."""
         self.buffer.append((input_ids.detach().cpu(), features.detach().cpu().to(self.dtype), loss_mask.detach().cpu()))
-        self.topk.append(topk)
+        self.topk.append(None if topk_ids is None else (topk_ids, topk_logprobs))
         self.buffered_tokens += len(input_ids)
         if self.buffered_tokens >= self.tokens_per_shard:
             self.flush()
@@ -195,12 +195,6 @@ def _anchor_ranges(f: Path, off: list) -> list:
     """Per sequence of an anchor-label shard its rows of `anchors`/`labels` (None for a plain shard)."""
     with safe_open(str(f), framework="pt") as sf:  # its header was read already: the file opens
         if "anchor_offsets" not in sf.keys():
-            if "topk_ids" in sf.keys() or "topk_logprobs" in sf.keys():  # per-row soft targets [N, k]
-                n, shapes = off[-1], [tuple(sf.get_slice(k).get_shape()) if k in sf.keys() else None
-                                      for k in ("topk_ids", "topk_logprobs")]
-                if shapes[0] != shapes[1] or len(shapes[0]) != 2 or shapes[0][0] != n:
-                    raise ValueError(f"{f}: inconsistent top-k tensors {shapes} for {n} rows: delete it or regenerate "
-                                     "it with `drafttree train data`")
             return [None] * (len(off) - 1)
         aoff = sf.get_tensor("anchor_offsets").tolist()
         anchors = sf.get_tensor("anchors").long() if "anchors" in sf.keys() else torch.zeros(0, dtype=torch.long)
@@ -261,6 +255,9 @@ class FeatureDataset:
                 ids, dim = json.loads(meta["target_layer_ids"]), int(meta["feature_dim"])
                 shapes = {k: tuple(sf.get_slice(k).get_shape()) for k in ("input_ids", "loss_mask", "features", "offsets")}
                 off = sf.get_tensor("offsets").tolist()
+                per_row_topk = "anchor_offsets" not in sf.keys() and ("topk_ids" in sf.keys() or "topk_logprobs" in sf.keys())
+                topk_shapes = [tuple(sf.get_slice(k).get_shape()) if k in sf.keys() else None
+                               for k in ("topk_ids", "topk_logprobs")]
         except SafetensorError as e:
             raise ShardError(f"{f}: unreadable feature shard, perhaps truncated by a killed run ({e}); {_regenerate(f)}") \
                 from None
@@ -273,6 +270,8 @@ class FeatureDataset:
                 or off[-1] != n or any(b < a for a, b in zip(off, off[1:]))):
             raise ShardError(f"{f}: inconsistent feature shard (shapes {shapes}, feature_dim {dim}, offsets "
                              f"{off[:3]}...{off[-1:]}); {_regenerate(f)}")
+        if per_row_topk and (topk_shapes[0] != topk_shapes[1] or len(topk_shapes[0]) != 2 or topk_shapes[0][0] != n):
+            raise ShardError(f"{f}: inconsistent top-k tensors {topk_shapes} for {n} rows; {_regenerate(f)}")
         return ids, dim, off
 
     def check_token_ids(self, vocab_size: int) -> None:

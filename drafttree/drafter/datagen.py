@@ -66,8 +66,6 @@ def code_package_roots(packages: tuple[str, ...]) -> list[Path]:
 def stdlib_code_prompts(limit: int = 4000, seed: int = 0, packages: tuple[str, ...] = ()) -> list[str]:
     """HumanEval-shaped prompts (signature + docstring) from the Python standard library's own functions, or
     from the installed `packages` (names of CODE_PACKAGES) when given."""
-    import importlib.util
-
     roots = code_package_roots(packages) if packages else [Path(sysconfig.get_paths()["stdlib"])]
     prompts = []
     for lib, f in ((lib, f) for lib in roots for f in sorted(lib.rglob("*.py"))):
@@ -175,17 +173,30 @@ def generate_packed(model, prompts: list[torch.Tensor], max_new_tokens: int, sam
     return results
 
 
+def code_packages(a) -> tuple[str, ...]:
+    """--code-packages as a tuple of names."""
+    return tuple(x for x in a.code_packages.split(",") if x)
+
+
+def seen_digests(path: str) -> set[str]:
+    """The prompt digests of a data manifest (`--skip-seen`); a file that is not one is an InputError."""
+    try:
+        return set(json.loads(Path(path).read_text())["prompt_digests"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InputError(f"--skip-seen {path}: not a data manifest with prompt_digests ({type(e).__name__}: {e}); "
+                         "give a drafter's data-manifest.json or a data directory's manifest.json") from None
+
+
 def training_prompts(a, with_sources: bool = False):
-    """GSM8K train questions, stdlib code prompts and ShareGPT first turns, shuffled (never evaluation sets);
-    with_sources: (prompt, source name) pairs."""
+    """GSM8K train questions, stdlib and package code prompts and ShareGPT first turns, shuffled (never evaluation
+    sets), without the prompts of --skip-seen; with_sources: (prompt, source name) pairs."""
+    seen = seen_digests(a.skip_seen) if a.skip_seen else None  # first: a bad manifest fails before any source is read
     tagged = [(p, "gsm8k-train") for p in (gsm8k_train_prompts(a.gsm8k)[: a.gsm8k_limit] if a.gsm8k else [])]
     tagged += [(p, "python-stdlib-code") for p in (stdlib_code_prompts(a.code, a.seed) if a.code else [])]
-    packages = tuple(x for x in (getattr(a, "code_packages", "") or "").split(",") if x)
-    if packages and a.package_code:
-        tagged += [(p, "python-packages-code") for p in stdlib_code_prompts(a.package_code, a.seed, packages)]
+    if a.package_code and code_packages(a):
+        tagged += [(p, "python-packages-code") for p in stdlib_code_prompts(a.package_code, a.seed, code_packages(a))]
     tagged += [(p, "sharegpt") for p in (sharegpt_prompts(a.sharegpt, a.seed) if a.sharegpt else [])]
-    if getattr(a, "skip_seen", None):  # prompts an earlier drafter trained on (a merged data manifest)
-        seen = set(json.loads(Path(a.skip_seen).read_text())["prompt_digests"])
+    if seen is not None:  # prompts an earlier drafter trained on
         tagged = [(p, src) for p, src in tagged if prompt_digest(p) not in seen]
     random.Random(a.seed).shuffle(tagged)
     tagged = tagged[: a.limit]
@@ -230,16 +241,10 @@ def check_arguments(a) -> tuple[int, ...]:
     if not a.gsm8k and not a.code and not a.sharegpt and not a.package_code:
         raise InputError("no prompt source: give --gsm8k FILE (GSM8K's train jsonl), --code N (stdlib code prompts), "
                          "--package-code N and/or --sharegpt N")
-    if a.skip_seen:
-        try:
-            json.loads(Path(a.skip_seen).read_text())["prompt_digests"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise InputError(f"--skip-seen {a.skip_seen}: not a data manifest with prompt_digests ({type(e).__name__}: "
-                             f"{e}); give a drafter's data-manifest.json or a data directory's manifest.json") from None
     for name in ("code", "sharegpt", "package_code"):
         check_int("--" + name.replace("_", "-"), getattr(a, name), minimum=0)
     if a.package_code:
-        code_package_roots(tuple(x for x in a.code_packages.split(",") if x))
+        code_package_roots(code_packages(a))
     check_int("--top-k", a.top_k, minimum=0)
     if a.top_k and a.engine != "hf":
         raise InputError(f"--top-k {a.top_k} needs --engine hf (the packed engine does not keep the target's top-k)")
@@ -356,7 +361,7 @@ def main(argv=None) -> int:
         for (p, _), (toks, feats, plen, top_ids, top_lps) in zip(batch, replies):
             mask = torch.zeros(toks.numel(), dtype=torch.uint8)
             mask[plen:] = 1
-            writer.add(toks, feats, mask, None if top_ids is None else (top_ids, top_lps))
+            writer.add(toks, feats, mask, top_ids, top_lps)
             tokens_total += toks.numel() - plen
             manifest.add(p, source_of[p], toks.numel(), toks.numel() - plen, sampled=mode is sampled)
         writer.flush()  # a shard per batch: progress below never claims unwritten data

@@ -108,7 +108,6 @@ def merge(paths: list[Path], out: Path, tokenizer=None) -> dict:
                     tot[k] = tot.get(k, 0) + v
 
     for d in paths:
-        f = d / "manifest.json"
         if d.is_file():
             m = json.loads(d.read_text())
             if not {"parts", "sources", "prompt_digests"} <= set(m):
@@ -118,6 +117,7 @@ def merge(paths: list[Path], out: Path, tokenizer=None) -> dict:
             add_sources(m["sources"])
             merged["prompt_digests"] += m["prompt_digests"]
             continue
+        f = d / "manifest.json"
         if f.exists():
             m = json.loads(f.read_text())
             part = {k: m[k] for k in ("generator", "settings", "decontamination", "wall_s") if k in m}
