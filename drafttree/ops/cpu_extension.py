@@ -29,18 +29,24 @@ def build_dir() -> Path:
 @functools.cache
 def extension():
     """The compiled module (compiled on first use, about a minute on 2 cores; then loaded from the cache)."""
-    from torch.utils.cpp_extension import load
-
     out = build_dir()
     if not any(out.glob("*.so")):
         print(f"drafttree: compiling the CPU kernels into {out} (once per machine, about a minute)", file=sys.stderr)
+    return compile_kernels("drafttree_cpu", SOURCES, out)
+
+
+def compile_kernels(name: str, sources, out: Path):
+    """Compile (or load from `out`) the kernel sources as the module `name` (a second name lets a benchmark
+    load another revision's kernels beside these: bench/kernel_ab.py)."""
+    from torch.utils.cpp_extension import load
+
     out.mkdir(parents=True, exist_ok=True)
     # torch runs `ninja` from PATH; the pip-installed one sits beside this interpreter (venv not activated).
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     # -ffp-contract=off: no implicit fused multiply-adds, so the int8 epilogue rounds as the reference does.
-    return load(name="drafttree_cpu", sources=[str(s) for s in SOURCES], build_directory=str(out), verbose=False,
+    return load(name=name, sources=[str(s) for s in sources], build_directory=str(out), verbose=False,
                 extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", "-Wno-psabi"], extra_ldflags=["-fopenmp"])
 
 

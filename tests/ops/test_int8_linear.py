@@ -7,7 +7,10 @@ from drafttree.ops.int8 import (int8_linear, int8_linear_ref, pack_weight, packe
                                 unpack_weight)
 
 ISAS = ["scalar"] + [isa for isa, flag in (("avx2", "avx2"), ("avx512_vnni", "avx512_vnni")) if cpu_info().has(flag)]
-SHAPES = [(1, 576, 576), (3, 100, 7), (16, 1536, 576), (5, 576, 1539), (64, 2880, 200), (7, 13, 33), (130, 64, 40)]
+# (rows, K, N); the last two are weights of >= 2 MiB, which AVX-512 VNNI streams one panel at a time
+# (16-row tiles: 17 rows leave a 1-row tile, N = 3650 a partial last panel)
+SHAPES = [(1, 576, 576), (3, 100, 7), (16, 1536, 576), (5, 576, 1539), (64, 2880, 200), (7, 13, 33), (130, 64, 40),
+          (17, 576, 3650), (2, 576, 3650)]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -24,9 +27,10 @@ def test_kernel_equals_reference_bit_for_bit(isa, dtype):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_a_row_does_not_depend_on_the_batch(isa):
+@pytest.mark.parametrize("n", [300, 3650])  # a small weight, and one big enough to be streamed
+def test_a_row_does_not_depend_on_the_batch(isa, n):
     """Integer sums: row i of a T-row call is the one-row call on row i (what makes tree verify lossless)."""
-    x, w = torch.randn(16, 576), torch.randn(300, 576) * 0.05
+    x, w = torch.randn(16, 576), torch.randn(n, 576) * 0.05
     packed, scale, sums = prepare_weight(w)
     full = int8_linear(x, packed, scale, sums, None, isa)
     for i in range(16):

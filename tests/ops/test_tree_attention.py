@@ -46,3 +46,19 @@ def test_tree_row_equals_the_one_token_step_bit_for_bit(isa):
         v = torch.cat([values[:, :past], values[:, path]], 1)
         one = tree_attention(q.view(kv_heads, group, t, d)[:, :, i].contiguous(), k, v, k.shape[1] - 1, None, 0.125, isa)
         assert torch.equal(one, full[:, :, i])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group,d", [(3, 64), (4, 64), (2, 128), (5, 64)])  # 5: more heads than the grouped kernel takes
+def test_query_heads_side_by_side_equal_one_head_at_a_time(isa, group, d):
+    """The AVX-512 kernel runs the query heads of one kv head together; each head's rows are the bits it
+    gets alone (a one-head call), so grouping never changes a result."""
+    kv_heads, t, past = 2, 6, 40
+    gen = torch.Generator().manual_seed(group)
+    keys, values = torch.randn(kv_heads, past + t, d, generator=gen), torch.randn(kv_heads, past + t, d, generator=gen)
+    q = torch.randn(kv_heads, group * t, d, generator=gen)
+    tree = ancestor_mask([-1, 0, 0, 1, 3, 2])
+    full = tree_attention(q, keys, values, past, tree, d**-0.5, isa).view(kv_heads, group, t, d)
+    for g in range(group):
+        alone = tree_attention(q.view(kv_heads, group, t, d)[:, g].contiguous(), keys, values, past, tree, d**-0.5, isa)
+        assert torch.equal(alone, full[:, g])

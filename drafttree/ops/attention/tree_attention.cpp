@@ -1,5 +1,5 @@
 // Softmax attention of a few new rows (a decode step or a draft tree) against a KV cache, one query row
-// at a time. Reference: naive.py.
+// at a time (with AVX-512, the query heads sharing a kv head side by side). Reference: naive.py.
 //
 // Why a kernel: a batched matmul may sum in a different order for different batch shapes, so a tree
 // verify and a one-token step could round differently and, on a quantized path, cross an int8 rounding
@@ -100,6 +100,76 @@ __attribute__((target("avx512f"))) void row_avx512(const Row& a) {
   for (int64_t c = 0; c < nv; ++c) _mm512_storeu_ps(a.out + 16 * c, _mm512_mul_ps(o[c], inv));
 }
 
+// G query rows that see the same keys (the query heads of one kv head at one position), NV = d / 16:
+// per row exactly row_avx512's instructions in the same order (so the same bits), interleaved across
+// the rows so that each key and value row is loaded once for all G and the rows' chains overlap.
+template <int G, int NV>
+__attribute__((target("avx512f"))) void rows_avx512(const Row* r) {
+  const Row& a = r[0];  // keys, values, idx, n, d, scale: shared by the G rows
+  __m512 q[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) q[g][c] = _mm512_loadu_ps(r[g].q + 16 * c);
+  float m[G];
+  for (int g = 0; g < G; ++g) m[g] = -INFINITY;
+  for (int64_t j = 0; j < a.n; ++j) {
+    const float* k = a.keys + a.idx[j] * a.d;
+    __m512 kv[NV];
+    for (int c = 0; c < NV; ++c) kv[c] = _mm512_loadu_ps(k + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(q[g][0], kv[0]);
+      for (int c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(q[g][c], kv[c], acc);
+      r[g].w[j] = _mm512_reduce_add_ps(acc) * a.scale;
+      m[g] = std::fmax(m[g], r[g].w[j]);
+    }
+  }
+  float sum[G];
+  for (int g = 0; g < G; ++g) {
+    const __m512 vm = _mm512_set1_ps(m[g]);
+    float* w = r[g].w;
+    __m512 vsum = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= a.n; j += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(w + j), vm));
+      _mm512_storeu_ps(w + j, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    if (j < a.n) {
+      const __mmask16 mk = __mmask16((1u << (a.n - j)) - 1);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, w + j), vm));
+      _mm512_mask_storeu_ps(w + j, mk, e);
+      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(mk, e));
+    }
+    sum[g] = _mm512_reduce_add_ps(vsum);
+  }
+  __m512 o[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) o[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < a.n; ++j) {
+    const float* v = a.values + a.idx[j] * a.d;
+    __m512 vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(r[g].w[j]);
+      for (int c = 0; c < NV; ++c) o[g][c] = _mm512_fmadd_ps(p, vv[c], o[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / sum[g]);
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(r[g].out + 16 * c, _mm512_mul_ps(o[g][c], inv));
+  }
+}
+
+using GroupFn = void (*)(const Row*);
+
+// The grouped kernel for G query rows of head_dim d, or nullptr (then one row at a time).
+GroupFn grouped_avx512(int64_t G, int64_t d) {
+  static const GroupFn d64[4] = {rows_avx512<1, 4>, rows_avx512<2, 4>, rows_avx512<3, 4>, rows_avx512<4, 4>};
+  static const GroupFn d128[2] = {rows_avx512<1, 8>, rows_avx512<2, 8>};
+  if (d == 64 && G >= 1 && G <= 4) return d64[G - 1];
+  if (d == 128 && G >= 1 && G <= 2) return d128[G - 1];
+  return nullptr;
+}
+
 __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -155,19 +225,44 @@ struct Problem {
   int64_t isa;
 };
 
+// The visible keys of new row t, in order: every cached key, then the new ones its mask shows.
+int64_t visible_idx(const Problem& pb, int64_t t, int32_t* idx) {
+  int64_t n = 0;
+  for (int64_t j = 0; j < pb.past; ++j) idx[n++] = static_cast<int32_t>(j);
+  for (int64_t i = 0; i < pb.T; ++i)
+    if (pb.visible ? pb.visible[t * pb.T + i] : i <= t) idx[n++] = static_cast<int32_t>(pb.past + i);
+  return n;
+}
+
 template <typename QOut>
 void run_rows(const Problem& pb, QOut q_and_out) {
   int64_t fast = pb.isa;
   if ((fast == kAvx512 && (pb.d % 16 || pb.d > 128)) || (fast == kAvx2 && pb.d % 8)) fast = kScalar;
+  const GroupFn grouped = fast == kAvx512 ? grouped_avx512(pb.G, pb.d) : nullptr;
+  if (grouped) {  // one item per (kv head, new row): its G query heads see the same keys
+    at::parallel_for(0, pb.H * pb.T, 1, [&](int64_t begin, int64_t end) {
+      std::vector<int32_t> idx(pb.past + pb.T);
+      std::vector<float> w(pb.G * (pb.past + pb.T));
+      Row rows[4];
+      for (int64_t it = begin; it < end; ++it) {
+        const int64_t h = it / pb.T, t = it % pb.T;
+        const int64_t n = visible_idx(pb, t, idx.data());
+        for (int64_t g = 0; g < pb.G; ++g) {
+          const auto [q, out] = q_and_out(h, g, t);
+          rows[g] = Row{q, pb.keys + h * pb.key_head_stride, pb.values + h * pb.value_head_stride, idx.data(), n,
+                        pb.d, pb.scale, w.data() + g * (pb.past + pb.T), out};
+        }
+        grouped(rows);
+      }
+    });
+    return;
+  }
   at::parallel_for(0, pb.H * pb.G * pb.T, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> idx(pb.past + pb.T);
     std::vector<float> w(pb.past + pb.T);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t h = it / (pb.G * pb.T), g = it / pb.T % pb.G, t = it % pb.T;
-      int64_t n = 0;
-      for (int64_t j = 0; j < pb.past; ++j) idx[n++] = static_cast<int32_t>(j);
-      for (int64_t i = 0; i < pb.T; ++i)
-        if (pb.visible ? pb.visible[t * pb.T + i] : i <= t) idx[n++] = static_cast<int32_t>(pb.past + i);
+      const int64_t n = visible_idx(pb, t, idx.data());
       const auto [q, out] = q_and_out(h, g, t);
       const Row row{q, pb.keys + h * pb.key_head_stride, pb.values + h * pb.value_head_stride, idx.data(), n, pb.d,
                     pb.scale, w.data(), out};

@@ -13,6 +13,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -198,6 +200,24 @@ DRAFTTREE_TILE_TABLE(VnniTiles, tile_vnni)
 DRAFTTREE_TILE_TABLE(ScalarTiles, tile_scalar)
 #undef DRAFTTREE_TILE_TABLE
 
+// VNNI for a weight too big for L2 (an LM head): one panel by up to 16 rows, so each 64-byte weight load
+// feeds every row and the weight is read as one sequential stream, once. Measured on Zen 4 (1 thread,
+// 36,864 x 576): 1.5-1.6x faster than 4 x 4 tiles at 4-8 rows, 1.3x at 16; for a small weight that
+// stays in cache the 4 x 4 tiles' register reuse wins, and at one row the single accumulator chain is
+// latency-bound, so those keep VnniTiles.
+struct VnniStreamTiles {
+  static constexpr int kNP = 1, kTT = 16;
+  static constexpr int64_t kMinBytes = int64_t(1) << 21;  // weights from this size up are streamed
+  template <int... TT>
+  static constexpr std::array<TileFn, sizeof...(TT)> table(std::integer_sequence<int, TT...>) {
+    return {tile_vnni<1, TT + 1>...};
+  }
+  static TileFn get(int tt) {
+    static constexpr auto t = table(std::make_integer_sequence<int, kTT>{});
+    return t[tt - 1];
+  }
+};
+
 // AVX2 has 16 vector registers: one panel (2 ymm) by 4 rows keeps 8 accumulators live.
 TileFn avx2_tile(int tt) {
   static const TileFn t[4] = {tile_avx2<1, 1>, tile_avx2<1, 2>, tile_avx2<1, 3>, tile_avx2<1, 4>};
@@ -272,18 +292,22 @@ template <typename out_t>
 void gemm(const int8_t* xq, const float* sx, int64_t T, const int8_t* wp, const float* sw, const int32_t* wsum,
           const float* bias, int64_t N, int64_t Kp, int64_t isa, out_t* y) {
   const int64_t P = (N + kPanel - 1) / kPanel, panel_stride = Kp * kPanel;
-  const int max_np = isa == kAvx2 ? 1 : 4, max_tt = 4;
+  const bool stream = isa == kAvx512Vnni && T >= 2 && N * Kp >= VnniStreamTiles::kMinBytes;
+  const int max_np = isa == kAvx2 ? 1 : stream ? VnniStreamTiles::kNP : 4;
+  const int max_tt = stream ? VnniStreamTiles::kTT : 4;
   const Epilogue epi{sx, sw, bias, wsum, isa == kAvx512Vnni, N};
   // Enough weight bytes per task that waking a second thread pays (~64 KiB).
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / panel_stride);
   at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) int32_t acc[4 * 4 * kPanel];
+    alignas(64) int32_t acc[16 * kPanel];  // the largest tile: 16 rows x 1 panel, or 4 x 4
     for (int64_t p0 = begin; p0 < end; p0 += max_np) {
       const int np = static_cast<int>(std::min<int64_t>(max_np, end - p0));
       for (int64_t t0 = 0; t0 < T; t0 += max_tt) {
         const int tt = static_cast<int>(std::min<int64_t>(max_tt, T - t0));
         const TileArgs args{xq + t0 * Kp, wp + p0 * panel_stride, Kp, panel_stride, acc};
-        TileFn fn = isa == kAvx2 ? avx2_tile(tt) : isa == kAvx512Vnni ? VnniTiles::get(np, tt) : ScalarTiles::get(np, tt);
+        TileFn fn = isa == kAvx2 ? avx2_tile(tt)
+                    : stream ? VnniStreamTiles::get(tt)
+                    : isa == kAvx512Vnni ? VnniTiles::get(np, tt) : ScalarTiles::get(np, tt);
         fn(args);
         if constexpr (std::is_same_v<out_t, float>) {
           if (isa == kAvx512Vnni) {
