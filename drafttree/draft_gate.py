@@ -49,3 +49,23 @@ class DraftGate:
             self._since_probe, self._probing = 0, self.probe_rounds - 1
             return not best
         return best
+
+
+@dataclass
+class ContextGate:
+    """One DraftGate per kind of round, for rounds whose worth depends on something known before drafting
+    (drafttree.lookup: whether the lookup found a match — a matched round's lookup-only tree competes with
+    the merged one, an unmatched round's plain step with the drafter's tree). Set `context` before each
+    `choose`; `observe` goes to the gate of the round it measures. The DraftGate interface, so the DFlash
+    proposer's gating (its timing and the drafter's catch-up) runs unchanged."""
+
+    gates: dict = field(default_factory=lambda: {False: DraftGate(), True: DraftGate()})
+    context: bool = False  # the kind of the round about to be chosen
+    _chosen: bool = False  # the kind of the last chosen round: the one `observe` measures
+
+    def observe(self, draft: bool, tokens: int, ms: float) -> None:
+        self.gates[self._chosen].observe(draft, tokens, ms)
+
+    def choose(self) -> bool:
+        self._chosen = self.context
+        return self.gates[self.context].choose()

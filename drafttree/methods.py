@@ -1,6 +1,7 @@
 """Decoding methods by name: `ar`, `chain`, `ddtree`, `caddtree`, `caddtree-online`, with retrieval branches
 (drafttree.lookup) `lookup` (no drafter), `lookup-ddtree`, `lookup-caddtree`, `lookup-caddtree-online` (with
-caddtree-online's draft gate: lookup-only rounds where the drafter does not pay), and with Weaver's path-conditioned
+caddtree-online's draft gate, one for rounds with a lookup match and one for rounds without: lookup-only rounds
+where the drafter does not pay), and with Weaver's path-conditioned
 trees (drafttree.weaver) `weaver-ddtree`, `weaver-caddtree` — the one place the CLI, the demo,
 the benchmark and the server turn a method name into a generation call."""
 from __future__ import annotations

@@ -4,7 +4,7 @@ import itertools
 
 import torch
 
-from drafttree.draft_gate import DraftGate
+from drafttree.draft_gate import ContextGate, DraftGate
 from drafttree.engine import Sequence, generate_ar
 from drafttree.load import load_target
 from drafttree.proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer
@@ -27,6 +27,22 @@ def test_gate_plays_the_faster_choice_and_probes_the_other():
     assert sum(fast_draft[20:]) / 180 > 0.85 and sum(fast_plain[20:]) / 180 < 0.15
     assert 0 < sum(fast_plain[20:])  # still probes drafting: the text may change
     assert fast_draft[:6] == [True] * 6 and fast_draft[6:12] == [False] * 6  # both measured first
+
+
+def test_context_gate_learns_each_kind_of_round_apart():
+    """Drafting pays in one kind of round and not in the other: each kind's gate learns its own choice,
+    and a round's measurement goes to the gate that chose it."""
+    gate, choices = ContextGate(), {False: [], True: []}
+    rate = {(True, True): 2.5, (True, False): 1.0, (False, True): 0.7, (False, False): 1.0}  # (kind, drafted)
+    for i in range(400):
+        kind = i % 3 == 0
+        gate.context = kind
+        d = gate.choose()
+        choices[kind].append(d)
+        gate.context = not kind  # what the next round will be does not move this round's measurement
+        gate.observe(d, tokens=int(10 * rate[kind, d]), ms=10.0)
+    assert sum(choices[True][20:]) / len(choices[True][20:]) > 0.85
+    assert sum(choices[False][20:]) / len(choices[False][20:]) < 0.15
 
 
 class ScriptedGate(DraftGate):

@@ -19,6 +19,7 @@ from itertools import islice, takewhile
 import torch
 
 from ..costmodel import CaddSelection, caddtree_select
+from ..draft_gate import ContextGate
 from ..proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer, DFlashState
 from ..protocols import Clock
 from ..tree import DraftTree
@@ -152,7 +153,10 @@ class LookupDFlashProposer:
 
     With a cost-aware policy and `skip_drafter`, a round whose lookup alone is modelled to beat lookup +
     drafter (the drafter's extra Φ and nodes estimated from earlier rounds that had a match) skips the
-    drafter's forward; every `explore_every`-th such round drafts anyway to keep the estimate fresh."""
+    drafter's forward; every `explore_every`-th such round drafts anyway to keep the estimate fresh.
+    When the DFlash proposer gates (caddtree-online), rounds with a lookup match and rounds without have a
+    draft gate each (draft_gate.ContextGate): where the drafter does not pay, an unmatched round is a plain
+    step and a matched one the lookup's tree alone."""
 
     def __init__(self, dflash: DFlashProposer, config: LookupConfig = LookupConfig(), skip_drafter: bool = True,
                  explore_every: int = 8, ema: float = 0.8):
@@ -171,8 +175,10 @@ class LookupDFlashProposer:
 
     def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor, clock: Clock = time.perf_counter
               ) -> LookupDFlashState:
-        return LookupDFlashState(self.dflash.begin(prompt_ids, prompt_features, clock),
-                                 LookupState.begin(prompt_ids, self.config))
+        dflash = self.dflash.begin(prompt_ids, prompt_features, clock)
+        if dflash.gate is not None:  # a matched round and an unmatched one pay for drafting differently: a gate each
+            dflash.gate = ContextGate()
+        return LookupDFlashState(dflash, LookupState.begin(prompt_ids, self.config))
 
     # ---- one round ----
 
@@ -190,6 +196,8 @@ class LookupDFlashProposer:
                 state.skipped += 1
                 return None, cont
         state.skipped = 0
+        if state.dflash.gate is not None:
+            state.dflash.gate.context = cont is not None
         return self.dflash.draft(state.dflash, root, start), cont  # None too when the DFlash proposer's gate says so
 
     def _lookup_alone_wins(self, state: LookupDFlashState, alone: CaddSelection, start: int, overhead: float) -> bool:
