@@ -102,7 +102,7 @@ __attribute__((target("avx512f"))) void row_avx512(const Row& a) {
 }
 
 // The 16 horizontal sums of v[0..15] as one vector (lane j = sum of v[j]'s lanes): a fixed network of
-// 128-bit shuffles and adds, 45 instructions where 16 separate reductions take about 130.
+// 128-bit shuffles and adds, in _mm512_reduce_add_ps's pairwise order (so the same bits as 16 of those).
 __attribute__((target("avx512f"))) inline __m512 hsum16(const __m512* v) {
   __m512 a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)  // [x0 x1 y0 y1] + [x2 x3 y2 y3]: 8 partials of x = v[2i], y = v[2i+1]
@@ -121,7 +121,8 @@ __attribute__((target("avx512f"))) inline __m512 hsum16(const __m512* v) {
 // G query rows that see the same keys (the query heads of one kv head at one position), NV = d / 16. The
 // scores come 16 keys at a time (a partial last chunk as if padded with zero keys), so a row's result is a
 // function of its query and its visible keys alone: the same bits in a one-token step and in a tree, and
-// whatever G (tests/ops). Each key and value row is loaded once for all G rows.
+// whatever G (tests/ops). Each value row is loaded once for all G rows; a key row once per row (16 keys x G
+// rows of accumulators would not fit the 32 vector registers), the repeats from L1.
 template <int G, int NV>
 __attribute__((target("avx512f"))) void rows_avx512(const Row* r) {
   const Row& a = r[0];  // keys, values, idx, n, d, scale: shared by the G rows
@@ -133,7 +134,7 @@ __attribute__((target("avx512f"))) void rows_avx512(const Row* r) {
   const __m512 scale = _mm512_set1_ps(a.scale);
   for (int64_t j0 = 0; j0 < a.n; j0 += 16) {
     const int kn = static_cast<int>(std::min<int64_t>(16, a.n - j0));
-    const __mmask16 mk = kn == 16 ? __mmask16(0xFFFF) : __mmask16((1u << kn) - 1);
+    const __mmask16 mk = __mmask16((1u << kn) - 1);  // kn <= 16: all 16 bits at most
     for (int g = 0; g < G; ++g) {
       __m512 acc[16];
       for (int j = 0; j < 16; ++j) {
