@@ -1,5 +1,5 @@
 // Softmax attention of a few new rows (a decode step or a draft tree) against a KV cache, one query row
-// at a time (with AVX-512, the query heads sharing a kv head side by side). Reference: naive.py.
+// at a time (with AVX2 or AVX-512, the query heads sharing a kv head side by side). Reference: naive.py.
 //
 // Why a kernel: a batched matmul may sum in a different order for different batch shapes, so a tree
 // verify and a one-token step could round differently and, on a quantized path, cross an int8 rounding
@@ -211,6 +211,26 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// exp(w[j] - m) in place over n scores, 8 at a time, the tail one lane at a time through the same
+// polynomial; returns their sum (the vector part reduced by hsum256, then the tail in order).
+__attribute__((target("avx2,fma"))) float softmax_numerators_avx2(float* w, int64_t n, float m) {
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 vsum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(w + j), vm));
+    _mm256_storeu_ps(w + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = hsum256(vsum);
+  for (; j < n; ++j) {
+    alignas(32) float lane[8] = {w[j] - m, 0, 0, 0, 0, 0, 0, 0};
+    _mm256_store_ps(lane, exp256(_mm256_load_ps(lane)));
+    sum += (w[j] = lane[0]);
+  }
+  return sum;
+}
+
 // d must be a multiple of 8.
 __attribute__((target("avx2,fma"))) void row_avx2(const Row& a) {
   const int64_t nv = a.d / 8;
@@ -222,24 +242,11 @@ __attribute__((target("avx2,fma"))) void row_avx2(const Row& a) {
     a.w[j] = hsum256(acc) * a.scale;
     m = std::fmax(m, a.w[j]);
   }
-  const __m256 vm = _mm256_set1_ps(m);
-  __m256 vsum = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= a.n; j += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(a.w + j), vm));
-    _mm256_storeu_ps(a.w + j, e);
-    vsum = _mm256_add_ps(vsum, e);
-  }
-  float sum = hsum256(vsum);
-  for (; j < a.n; ++j) {  // the tail through the same polynomial, one lane at a time
-    alignas(32) float lane[8] = {a.w[j] - m, 0, 0, 0, 0, 0, 0, 0};
-    _mm256_store_ps(lane, exp256(_mm256_load_ps(lane)));
-    sum += (a.w[j] = lane[0]);
-  }
+  const float sum = softmax_numerators_avx2(a.w, a.n, m);
   for (int64_t c0 = 0; c0 < nv; c0 += 4) {  // 4 output vectors at a time: 16 registers
     const int64_t cn = std::min<int64_t>(4, nv - c0);
     __m256 o[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (j = 0; j < a.n; ++j) {
+    for (int64_t j = 0; j < a.n; ++j) {
       const float* v = a.values + a.idx[j] * a.d + 8 * c0;
       const __m256 p = _mm256_set1_ps(a.w[j]);
       for (int64_t c = 0; c < cn; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), o[c]);
@@ -247,6 +254,87 @@ __attribute__((target("avx2,fma"))) void row_avx2(const Row& a) {
     const __m256 inv = _mm256_set1_ps(1.f / sum);
     for (int64_t c = 0; c < cn; ++c) _mm256_storeu_ps(a.out + 8 * (c0 + c), _mm256_mul_ps(o[c], inv));
   }
+}
+
+// The 8 horizontal sums of v[0..7] as one vector (lane j = hsum256(v[j]), the same bits): hsum256's three
+// pairwise steps (128-bit halves, then lanes 2 apart, then neighbours) for 8 keys at once.
+__attribute__((target("avx2,fma"))) inline __m256 hsum8(const __m256* v) {
+  __m256 a[4], b[2];
+  for (int i = 0; i < 4; ++i)  // 128-bit lane 0: v[2i]'s low + high half; lane 1: v[2i+1]'s
+    a[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20), _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)  // each 128-bit lane: [x0+x2, x1+x3] of two keys
+    b[i] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  // lanes hold the sums of keys 0 2 4 6 | 1 3 5 7
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x88), _mm256_shuffle_ps(b[0], b[1], 0xDD));
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// G query rows that see the same keys, NV = d / 8: row_avx2's bits (tests/ops), with the scores of 8 keys
+// at a time (8 independent accumulator chains, one shuffle network instead of 8 horizontal sums) and each
+// value row loaded once for all G rows.
+template <int G, int NV>
+__attribute__((target("avx2,fma"))) void rows_avx2(const Row* r) {
+  const Row& a = r[0];  // keys, values, idx, n, d, scale: shared by the G rows
+  const __m256 scale = _mm256_set1_ps(a.scale);
+  float m[G];
+  for (int g = 0; g < G; ++g) {
+    __m256 q[NV];
+    for (int c = 0; c < NV; ++c) q[c] = _mm256_loadu_ps(r[g].q + 8 * c);
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < a.n; j0 += 8) {
+      const int kn = static_cast<int>(std::min<int64_t>(8, a.n - j0));
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) {
+        if (j >= kn) {
+          acc[j] = _mm256_setzero_ps();
+          continue;
+        }
+        const float* k = a.keys + a.idx[j0 + j] * a.d;
+        acc[j] = _mm256_mul_ps(q[0], _mm256_loadu_ps(k));
+        for (int c = 1; c < NV; ++c) acc[j] = _mm256_fmadd_ps(q[c], _mm256_loadu_ps(k + 8 * c), acc[j]);
+      }
+      const __m256 sc = _mm256_mul_ps(hsum8(acc), scale);
+      if (kn == 8) {
+        _mm256_storeu_ps(r[g].w + j0, sc);
+        vmax = _mm256_max_ps(vmax, sc);
+      } else {  // the missing keys' lanes are neither stored nor part of the max
+        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(kn), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        _mm256_maskstore_ps(r[g].w + j0, live, sc);
+        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(vmax, sc, _mm256_castsi256_ps(live)));
+      }
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    m[g] = *std::max_element(lanes, lanes + 8);
+  }
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = 1.f / softmax_numerators_avx2(r[g].w, a.n, m[g]);
+  constexpr int CW = std::min(4, 12 / G);  // output vectors per pass: G * CW accumulators
+  for (int c0 = 0; c0 < NV; c0 += CW) {
+    const int cn = std::min(CW, NV - c0);
+    __m256 o[G][CW];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CW; ++c) o[g][c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < a.n; ++j) {
+      const float* v = a.values + a.idx[j] * a.d + 8 * c0;
+      for (int g = 0; g < G; ++g) {
+        const __m256 p = _mm256_set1_ps(r[g].w[j]);
+        for (int c = 0; c < cn; ++c) o[g][c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), o[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m256 s = _mm256_set1_ps(inv[g]);
+      for (int c = 0; c < cn; ++c) _mm256_storeu_ps(r[g].out + 8 * (c0 + c), _mm256_mul_ps(o[g][c], s));
+    }
+  }
+}
+
+Grouped grouped_avx2(int64_t d) {
+  static const GroupFn d64[4] = {rows_avx2<1, 8>, rows_avx2<2, 8>, rows_avx2<3, 8>, rows_avx2<4, 8>};
+  static const GroupFn d128[4] = {rows_avx2<1, 16>, rows_avx2<2, 16>, rows_avx2<3, 16>, rows_avx2<4, 16>};
+  if (d == 64) return {d64, 4};
+  if (d == 128) return {d128, 4};
+  return {nullptr, 0};
 }
 
 // Every (kv head, group member, new row) item: its query, its output, and the keys it sees.
@@ -272,7 +360,7 @@ template <typename QOut>
 void run_rows(const Problem& pb, QOut q_and_out) {
   int64_t fast = pb.isa;
   if ((fast == kAvx512 && (pb.d % 16 || pb.d > 128)) || (fast == kAvx2 && pb.d % 8)) fast = kScalar;
-  const Grouped grouped = fast == kAvx512 ? grouped_avx512(pb.d) : Grouped{nullptr, 0};
+  const Grouped grouped = fast == kAvx512 ? grouped_avx512(pb.d) : fast == kAvx2 ? grouped_avx2(pb.d) : Grouped{nullptr, 0};
   if (grouped.fns) {  // one item per (kv head, new row, group of its query heads): they see the same keys
     const int64_t gs = std::min(pb.G, grouped.max_group), groups = (pb.G + gs - 1) / gs;
     at::parallel_for(0, pb.H * pb.T * groups, 1, [&](int64_t begin, int64_t end) {
