@@ -69,7 +69,11 @@ def load_weaver_for(target: Target, drafter, path: str | Path | None = None):
 
 def cost_model_path(target: Target) -> Path:
     name = Path(target.name).name
-    isa = f"-{target.compute.isa}" if target.compute is not None and target.compute.isa else ""
+    isa = ""
+    if target.compute is not None and target.compute.isa:  # the C++ kernels' path: their build too (a kernel
+        from .ops.cpu_extension import build_dir             # change re-profiles instead of reusing old costs)
+
+        isa = f"-{target.compute.isa}-{build_dir().name}"
     return cache_root() / "costmodels" / f"{name}-{target.compute_path}{isa}-t{torch.get_num_threads()}.json"
 
 
