@@ -140,6 +140,10 @@ def use_cpu_kernels(model: nn.Module, isa: str) -> nn.Module:
             m.kernel_isa = kernel
     if hasattr(model, "attention_kernel"):
         model.attention_kernel = kernel
+    if hasattr(model, "decoder_stack"):
+        from drafttree.ops.decoder import DecoderStack
+
+        model.decoder_stack = DecoderStack.of(model)
     return model
 
 

@@ -94,6 +94,7 @@ class Transformer(CausalLM):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.attention_kernel: str | None = None  # ISA of the batch-invariant attention kernel (int8 path)
+        self.decoder_stack = None  # the layers as one C++ call (ops.decoder), set with the kernels; None: the loop
 
     def init_rope(self) -> None:
         """Rope tables are derived, not loaded; build them outside any meta-device context."""
@@ -142,11 +143,14 @@ class Transformer(CausalLM):
         cos, sin = self.rope(positions, self.dtype)
         mask = self._mask(past, t, tree_mask)
         x = self.embed_tokens(tokens)
-        captured = {}
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i)
-            if i in capture_layers:
-                captured[i] = x
+        if self.decoder_stack is not None and mask.kernel_isa is not None:  # the layer loop below, in one call
+            x, captured = self.decoder_stack(x, cos, sin, cache, mask.past, mask.tree, capture_layers)
+        else:
+            captured = {}
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, mask, cache, i)
+                if i in capture_layers:
+                    captured[i] = x
         cache.pending = t
         return self._output(x, captured, capture_layers, logits_rows)
 

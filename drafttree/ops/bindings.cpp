@@ -13,6 +13,12 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch
                         c10::optional<torch::Tensor> bias, int64_t n_out, int64_t isa);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, int64_t isa);
 torch::Tensor silu_mul(torch::Tensor gate_up, int64_t isa);
+std::vector<torch::Tensor> decoder_stack(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& layers,
+                                         const std::vector<int64_t>& meta, torch::Tensor cos, torch::Tensor sin,
+                                         torch::Tensor k_cache, torch::Tensor v_cache, int64_t past,
+                                         c10::optional<torch::Tensor> visible, int64_t n_heads, int64_t n_kv,
+                                         double scale, double norm_eps, double qk_norm_eps,
+                                         const std::vector<int64_t>& capture, int64_t isa);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "int8 x int8 linear with per-row scales on packed weights (ops/int8)");
@@ -21,4 +27,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "GGUF Q4_1 blocks x per-row int8 activations (ops/q4)");
   m.def("rms_norm", &rms_norm, "row-wise RMSNorm (ops/pointwise)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (ops/pointwise)");
+  m.def("decoder_stack", &decoder_stack, "a llama/qwen3 decoder stack in one call (ops/decoder)");
 }

@@ -6,6 +6,7 @@ import torch
 from drafttree.engine import generate_ar, generate_speculative
 from drafttree.load import load_target
 from drafttree.model.linear import Int8Linear, Q4Linear
+from drafttree.ops.decoder import DecoderStack
 from drafttree.proposers import BestFirstPolicy, ChainPolicy, DFlashProposer
 from spec_helpers import TargetCopyProposer, random_drafter_for
 from test_runtime import ancestor_mask, path_to, random_tree_parents
@@ -17,6 +18,7 @@ def int8_target(path, isa=None, compute="int8"):
         for m in target.model.modules():
             if isinstance(m, Int8Linear):
                 m.isa = isa
+        target.model.decoder_stack = DecoderStack.of(target.model)  # None for the reference: the layer loop
     return target
 
 

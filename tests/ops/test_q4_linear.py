@@ -30,10 +30,12 @@ def test_a_row_does_not_depend_on_the_batch(isa):
 
 
 def test_quantizer_is_within_half_a_step():
-    w = torch.randn(8, 64)
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
     q, d, m = quantize_q4_1(w)
     step = d.float().repeat_interleave(32, 1)
-    assert ((dequantize_q4_1(q, d, m) - w).abs() <= 0.5 * step + 1e-3).all() and int(q.max()) <= 15
+    # + fp16 rounding of the block's scale (times up to 15 steps) and minimum: ~16 * 2^-11 of the block's range
+    slack = 16 * 2**-11 * (15 * step + w.abs().amax(1, keepdim=True))
+    assert ((dequantize_q4_1(q, d, m) - w).abs() <= 0.5 * step + slack).all() and int(q.max()) <= 15
 
 
 def test_gguf_blocks_unpack_as_gguf_dequantizes_them():

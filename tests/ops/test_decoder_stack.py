@@ -1,0 +1,84 @@
+"""The decoder stack in one C++ call against the Python layer loop it replaces (its reference): the same
+logits, captured hidden states and KV-cache rows, bit for bit, on tiny models of each family and on the
+real model, for a prefill, a one-token step and a tree."""
+import pytest
+import torch
+
+from drafttree.compute import cpu_info
+from drafttree.load import load_target
+from drafttree.model.linear import Int8Linear
+from drafttree.ops.decoder import DecoderStack
+from test_runtime import ancestor_mask, random_tree_parents
+
+ISAS = ["scalar"] + [isa for isa, flag in (("avx2", "avx2"), ("avx512_vnni", "avx512_vnni")) if cpu_info().has(flag)]
+
+
+def run(model, prompt, tokens, mask, capture):
+    """Prefill, one step, then a tree: (logits, features) of each and the cache rows written."""
+    st = model.new_state(128)
+    outs = [model.forward(st, prompt, capture_layers=capture)]
+    model.commit(st, torch.arange(prompt.numel()))
+    outs.append(model.forward(st, tokens[:1], capture_layers=capture))
+    model.commit(st, torch.tensor([0]))
+    past = st.kv.length
+    outs.append(model.forward(st, tokens, positions=past + mask.sum(1) - 1, tree_mask=mask, capture_layers=capture))
+    n = past + tokens.numel()
+    return [(o.logits, o.features) for o in outs], st.kv.k[:, :, :n].clone(), st.kv.v[:, :, :n].clone()
+
+
+def same(a, b):
+    (outs_a, ka, va), (outs_b, kb, vb) = a, b
+    assert torch.equal(ka, kb) and torch.equal(va, vb)
+    for (la, fa), (lb, fb) in zip(outs_a, outs_b):
+        assert torch.equal(la, lb)
+        assert (fa is None and fb is None) or torch.equal(fa, fb)
+
+
+@pytest.mark.parametrize("compute", ["int8", "q4"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_stack_equals_the_layer_loop(tiny_checkpoint, compute, isa):
+    target = load_target(str(tiny_checkpoint[0]), compute=compute)
+    model = target.model
+    for m in model.modules():  # every kernel on this ISA
+        if hasattr(m, "isa"):
+            m.isa = isa
+        if hasattr(m, "kernel_isa") and m.kernel_isa is not None:
+            m.kernel_isa = isa
+    model.attention_kernel = isa
+    stack = DecoderStack.of(model)
+    assert stack is not None
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, model.config.vocab_size, (11,), generator=gen)
+    parents = random_tree_parents(9, gen)
+    tokens = torch.randint(0, model.config.vocab_size, (9,), generator=gen)
+    capture = (0, model.config.num_layers - 1)
+    model.decoder_stack = stack
+    fused = run(model, prompt, tokens, ancestor_mask(parents), capture)
+    model.decoder_stack = None
+    same(fused, run(model, prompt, tokens, ancestor_mask(parents), capture))
+
+
+def test_no_stack_where_it_does_not_fit(tiny_checkpoint):
+    """Float paths and the plain-PyTorch reference linears keep the layer loop."""
+    assert load_target(str(tiny_checkpoint[0]), compute="fp32").model.decoder_stack is None
+    model = load_target(str(tiny_checkpoint[0]), compute="int8").model
+    assert model.decoder_stack is not None
+    next(m for m in model.modules() if isinstance(m, Int8Linear) and m is not model.lm_head).isa = "reference"
+    assert DecoderStack.of(model) is None
+
+
+def test_stack_equals_the_layer_loop_on_smollm2():
+    target = load_target("smollm2-135m-instruct", compute="auto")
+    model = target.model
+    if model.decoder_stack is None:
+        pytest.skip(f"no kernel path here ({target.compute_label})")
+    prompt = target.encode_chat("What is 17 * 23?")
+    parents = [-1, 0, 0, 1, 2, 3, 3, 4]
+    tokens = torch.tensor([504, 28, 33, 1789, 284, 216, 30, 40])
+    capture = (1, 7, 14, 20, 27)
+    fused = run(model, prompt, tokens, ancestor_mask(parents), capture)
+    stack, model.decoder_stack = model.decoder_stack, None
+    try:
+        same(fused, run(model, prompt, tokens, ancestor_mask(parents), capture))
+    finally:
+        model.decoder_stack = stack
