@@ -71,9 +71,9 @@ def cost_model_path(target: Target) -> Path:
     name = Path(target.name).name
     isa = ""
     if target.compute is not None and target.compute.isa:  # the C++ kernels' path: their build too (a kernel
-        from .ops.cpu_extension import build_dir             # change re-profiles instead of reusing old costs)
+        from .ops.cpu_extension import build_name            # change re-profiles instead of reusing old costs)
 
-        isa = f"-{target.compute.isa}-{build_dir().name}"
+        isa = f"-{target.compute.isa}-{build_name()}"
     return cache_root() / "costmodels" / f"{name}-{target.compute_path}{isa}-t{torch.get_num_threads()}.json"
 
 

@@ -456,9 +456,9 @@ def test_a_cached_cost_model_needs_no_writable_cache(monkeypatch, tmp_path, mode
     checked = []
     monkeypatch.setattr(validate, "check_writable",
                         lambda path, what, **k: checked.append(what) if "cost-model" in what else None)
-    from drafttree.ops.cpu_extension import build_dir
+    from drafttree.ops.cpu_extension import build_name
 
-    kernels = f"{cpu_info().int8_isa}-{build_dir().name}"  # the kernel build is part of a kernel path's name
+    kernels = f"{cpu_info().int8_isa}-{build_name()}"  # the kernel build is part of a kernel path's name
     for compute, name in (("auto", f"model-q4-{kernels}-t3.json"), ("fp32", "model-fp32-t3.json")):
         argv = ["generate", "hi", "--method", "caddtree", "--model", str(model_dir), "--compute", compute]
         cli.check_args(cli.build_parser().parse_args(argv))

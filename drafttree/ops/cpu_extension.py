@@ -17,13 +17,20 @@ HEADERS = [HERE / "vec_math.h"]
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}  # the attention kernel reads 2 as plain AVX-512
 
 
-def build_dir() -> Path:
-    from drafttree.gguf_convert import cache_root
-
+@functools.cache
+def build_name() -> str:
+    """This build of the kernels: torch's version and the sources' hash (read once per process; the cost-model
+    cache's file names carry it too)."""
     digest = hashlib.sha256(torch.__version__.encode())
     for src in SOURCES + HEADERS:
         digest.update(src.read_bytes())
-    return cache_root() / "ext" / f"cpu-{digest.hexdigest()[:12]}"
+    return f"cpu-{digest.hexdigest()[:12]}"
+
+
+def build_dir() -> Path:
+    from drafttree.gguf_convert import cache_root
+
+    return cache_root() / "ext" / build_name()
 
 
 @functools.cache
