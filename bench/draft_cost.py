@@ -1,6 +1,7 @@
 """Draft cost per round, split into drafter layers / head / tree build, for several drafters on the same
-target and compute path, measured interleaved in one run (so load changes hit all of them alike); prints
-the CPU's ISA and each drafter's ratio to the first.
+target and compute path, each with the head rows computed for every depth at once (dense) and as the tree
+reaches them (lazy, the default: drafttree.marginals), measured interleaved in one run (so load changes hit
+all of them alike); prints the CPU's ISA and each round's ratio to the first drafter's dense round.
 
   .venv/bin/python bench/draft_cost.py --drafters DIR_A,DIR_B --threads 1 [--out results.json]
 """
@@ -20,7 +21,8 @@ PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a
 
 
 def round_parts(target, proposer, steps: int = 4) -> dict:
-    """One request a few rounds in; returns callables for each part of its next draft round."""
+    """One request a few rounds in; returns callables for each part of its next draft round (the round
+    itself with the proposer's own `lazy_rows`)."""
     seq = Sequence(target, target.encode_chat(PROMPT), proposer, 64)
     for _ in range(steps):
         seq.step()
@@ -31,6 +33,7 @@ def round_parts(target, proposer, steps: int = 4) -> dict:
     scores = d.draft_scores(hidden, proposer.lm_head)
     return {
         "drafter layers": lambda: d.draft(state.context, block, start),
+        "to the last attention": lambda: d.draft_rows(state.context, block, start),
         "head": lambda: d.draft_scores(hidden, proposer.lm_head),
         "tree": lambda: proposer.build_tree(state, root, scores, start),
         "round (draft + tree)": lambda: proposer.build_tree(state, root, proposer.draft(state, root, start), start),
@@ -56,7 +59,10 @@ def main():
     for path in dirs:
         drafter = load_drafter_for(target, path)
         for m in methods:
-            cases[(path, m)] = round_parts(target, make_proposer(m, target, drafter, budget=16))
+            for rows in ("dense", "lazy"):
+                proposer = make_proposer(m, target, drafter, budget=16)
+                proposer.lazy_rows = rows == "lazy"
+                cases[(path, m, rows)] = round_parts(target, proposer)
     times = {key: {part: [] for part in parts} for key, parts in cases.items()}
     for _ in range(a.repeats):  # interleaved: every case sees the same machine state
         for key, parts in cases.items():
@@ -64,16 +70,17 @@ def main():
                 t0 = time.perf_counter()
                 call()
                 times[key][part].append((time.perf_counter() - t0) * 1e3)
-    rows = {f"{p}|{m}": {part: statistics.median(v) for part, v in t.items()} for (p, m), t in times.items()}
+    rows = {"|".join(key): {part: statistics.median(v) for part, v in t.items()} for key, t in times.items()}
     parts = list(next(iter(rows.values())))
-    print("| drafter | method | " + " | ".join(f"{p} ms" for p in parts) + " | round vs first |")
-    print("|---|---|" + "---:|" * (len(parts) + 1))
+    print("| drafter | method | head rows | " + " | ".join(f"{p} ms" for p in parts) + " | round vs first dense |")
+    print("|---|---|---|" + "---:|" * (len(parts) + 1))
     for m in methods:
-        base = rows[f"{dirs[0]}|{m}"]["round (draft + tree)"]
+        base = rows[f"{dirs[0]}|{m}|dense"]["round (draft + tree)"]
         for p in dirs:
-            r = rows[f"{p}|{m}"]
-            print(f"| {p} | {m} | " + " | ".join(f"{r[x]:.2f}" for x in parts)
-                  + f" | {r['round (draft + tree)'] / base:.2f}x |")
+            for kind in ("dense", "lazy"):
+                r = rows[f"{p}|{m}|{kind}"]
+                print(f"| {p} | {m} | {kind} | " + " | ".join(f"{r[x]:.2f}" for x in parts)
+                      + f" | {r['round (draft + tree)'] / base:.2f}x |")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"cpu": cpu.model, "isa": cpu.isa_summary, "compute": target.compute_label,

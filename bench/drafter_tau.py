@@ -26,6 +26,7 @@ from drafttree.datasets import load_prompts
 from drafttree.engine import generate_ar
 from drafttree.load import load_target
 from drafttree.methods import load_drafter_for
+from drafttree.marginals import dense_logits
 from drafttree.proposers import ChainPolicy, DFlashProposer
 from drafttree.tree import best_first_nodes
 
@@ -42,7 +43,7 @@ def accepted_per_position(target, proposer, prompt_ids: torch.Tensor, ar: list[i
     out = {"chain": np.zeros(S, np.int16), **{f"ddtree-{n}": np.zeros(S, np.int16) for n in budgets}}
     for s in range(S):
         q = P + s
-        logits = proposer.draft(state, ar[s], q)
+        logits = dense_logits(proposer.draft(state, ar[s], q))
         room = seq.numel() - q - 1  # reply tokens after the root: deeper drafts cannot be checked
         truth = seq[q + 1:q + 1 + logits.shape[0]]
         top = logits[: truth.numel()].argmax(-1)

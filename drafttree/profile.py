@@ -11,6 +11,7 @@ import torch
 
 from .compute import compute_of
 from .costmodel import VerifyCostModel, profile_grid
+from .marginals import LazyDraftScores
 from .model.verify_input import VerifyInput
 from .tree import random_tree
 
@@ -51,7 +52,9 @@ def profile_costs(target, proposer, quick: bool = False, repeats: int | None = N
     def measure_draft(ctx: int) -> float:
         ensure_context(ctx)
         t0 = time.perf_counter()
-        proposer.draft(prefilled["draft_state"], int(torch.randint(0, vocab, (1,), generator=gen)), ctx)
+        drafted = proposer.draft(prefilled["draft_state"], int(torch.randint(0, vocab, (1,), generator=gen)), ctx)
+        if isinstance(drafted, LazyDraftScores):  # what every round pays: the first depths' rows
+            drafted.logprobs_from(0)
         return (time.perf_counter() - t0) * 1e3
 
     return profile_grid(measure_verify, tokens, contexts, repeats=repeats, warmup=1,

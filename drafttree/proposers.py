@@ -12,6 +12,7 @@ import torch
 from .costmodel import VerifyCostModel, build_caddtree
 from .draft_gate import DraftGate
 from .drafter.model import DraftContext
+from .marginals import LazyDraftScores, dense_logits, log_marginals
 from .model.linear import head_rows_source
 from .protocols import Clock
 from .recalibrate import RoundCalibrator
@@ -46,7 +47,7 @@ class ChainPolicy(_Stateless):
         return depth
 
     def build(self, state, root: int, logits: torch.Tensor, context_len: int, token_ids=None) -> DraftTree:
-        best = logits.argmax(-1)
+        best = dense_logits(logits).argmax(-1)
         return build_chain_tree(root, best if token_ids is None else token_ids[best])
 
 
@@ -61,7 +62,7 @@ class BestFirstPolicy(_Stateless):
         return self.budget
 
     def build(self, state, root: int, logits: torch.Tensor, context_len: int, token_ids=None) -> DraftTree:
-        return build_best_first_tree(root, logits.log_softmax(-1), self.budget, token_ids)
+        return build_best_first_tree(root, log_marginals(logits), self.budget, token_ids)
 
 
 @dataclass
@@ -102,10 +103,10 @@ class CostAwarePolicy:
     def build(self, state: CalibrationState | None, root: int, logits: torch.Tensor, context_len: int,
               token_ids=None) -> DraftTree:
         if state is None:  # the paper's rule: no bookkeeping on the hot path
-            return build_caddtree(root, logits.log_softmax(-1), self.cost_model, context_len, self.max_tree_nodes,
+            return build_caddtree(root, log_marginals(logits), self.cost_model, context_len, self.max_tree_nodes,
                                   token_ids=token_ids)[0]
         overhead, scale = self.round_start(state)
-        tree, sel = build_caddtree(root, logits.log_softmax(-1), self.cost_model, context_len, self.max_tree_nodes,
+        tree, sel = build_caddtree(root, log_marginals(logits), self.cost_model, context_len, self.max_tree_nodes,
                                    overhead, scale, token_ids)
         # unscaled: what the drafter itself predicted
         self.round_built(state, sel, overhead, sum(math.exp(n.path_logprob) for n in sel.nodes))
@@ -158,8 +159,9 @@ class DFlashProposer:
     With `gate`, each request also measures plain one-token rounds and drafts only while drafting is
     the faster choice (drafttree.draft_gate); the drafter catches up on the skipped tokens in one call."""
 
-    def __init__(self, drafter, target_model, policy, gate: bool = False):
+    def __init__(self, drafter, target_model, policy, gate: bool = False, lazy_rows: bool = True):
         self.drafter, self.model, self.policy, self.gate = drafter, target_model, policy, gate
+        self.lazy_rows = lazy_rows and not isinstance(policy, ChainPolicy)  # a chain reads every depth: one call
         self.capture_layers = tuple(drafter.config.target_layer_ids)
         self.depth = drafter.config.block_size - 1
         self.max_nodes = policy.max_nodes(self.depth)
@@ -168,6 +170,7 @@ class DFlashProposer:
         # A reduced draft vocabulary needs the head's rows; otherwise the target's own head (its path) is used.
         self.lm_head = head_rows_source(target_model) if drafter.config.draft_vocab_size else target_model.logits
         self.draft_token_ids = drafter.draft_token_ids  # [Vd] target id per marginal column, or None (all ids)
+        self.vocab_size = drafter.config.draft_vocab_size or drafter.config.vocab_size
 
     def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor, clock: Clock = time.perf_counter) -> DFlashState:
         """Drafter prefill: context K/V of the whole prompt."""
@@ -179,8 +182,9 @@ class DFlashProposer:
     def draft(self, state: DFlashState, root: int, start: int) -> torch.Tensor | None:
         """[D, Vd] drafter logits for positions start+1 .. start+D over the draft vocabulary (column j is
         token `draft_token_ids[j]`), D = the deepest node the policy can place (a tree of n nodes is at
-        most n deep): no head rows for depths no tree reaches. None: the gate chose a plain round (the
-        tree is the root alone)."""
+        most n deep): no head rows for depths no tree reaches. With `lazy_rows` (the default) a
+        marginals.LazyDraftScores: rows computed when the tree first reaches their depth. None: the gate
+        chose a plain round (the tree is the root alone)."""
         if state.gate is not None and not self._gate_drafts(state):
             self.policy.interrupt(state.policy)
             return None
@@ -189,9 +193,13 @@ class DFlashProposer:
             self.drafter.extend_context(state.context, feats,
                                         torch.arange(state.deferred_start, state.deferred_start + feats.shape[0]))
             state.deferred = []
-        block = self.drafter.block_embeds(root, self.model.embed)
-        hidden = self.drafter.draft(state.context, block, start)
-        return self.drafter.draft_scores(hidden[1:1 + self.draft_depth], self.lm_head)
+        rows = self.drafter.draft_rows(state.context, self.drafter.block_embeds(root, self.model.embed), start)
+        depth = min(self.draft_depth, rows.count - 1)
+        if not self.lazy_rows:
+            return self.drafter.draft_scores(rows.rows(1, 1 + depth), self.lm_head)
+        # block row i scores depth i: the head and the last layer's tail run for the depths the tree reaches
+        return LazyDraftScores(lambda a, b: self.drafter.draft_scores(rows.rows(1 + a, 1 + b), self.lm_head),
+                               depth, self.vocab_size)
 
     def _gate_drafts(self, state: DFlashState) -> bool:
         now = state.clock()

@@ -14,6 +14,8 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
+from .marginals import LazyDraftScores
+
 
 class TreeNode(NamedTuple):
     """One draft node as produced by best-first search, before it is placed in a DraftTree.
@@ -197,11 +199,12 @@ def build_chain_tree(root_token: int, draft_tokens, logprobs=None) -> DraftTree:
     return DraftTree(tokens, torch.arange(-1, n - 1), torch.arange(n), lp, torch.cumsum(lp, 0))
 
 
-def best_first_nodes(marginal_logprobs: torch.Tensor, max_nodes: int,
+def best_first_nodes(marginal_logprobs, max_nodes: int,
                      token_ids: torch.Tensor | None = None) -> Iterator[TreeNode]:
     """DDTree's best-first enumeration of prefixes, highest path log-prob first, lazily.
 
-    marginal_logprobs [D, V]: the drafter's log-probs per depth (row d is depth d+1); with a reduced
+    marginal_logprobs [D, V]: the drafter's log-probs per depth (row d is depth d+1), a tensor or a
+    marginals.LazyDraftScores (rows computed when the search first reaches their depth); with a reduced
     draft vocabulary V is its size and token_ids [V] the target id of each column. Prefix weight
     = sum of log-marginals along the path (positions treated as independent). Yields at most
     `max_nodes` nodes in pop order, which is topological. Ties are broken by the tuple of
@@ -213,27 +216,32 @@ def best_first_nodes(marginal_logprobs: torch.Tensor, max_nodes: int,
         raise ValueError(f"max_nodes must be an int >= 1, got {max_nodes!r}")
     depth_count, vocab = marginal_logprobs.shape
     ranked = _RankedMarginals(marginal_logprobs, k_cap=min(max_nodes, vocab), token_ids=token_ids)
-    lp, ids = ranked.lp, ranked.ids
     neg_inf = -math.inf
-    # Entry: (-path_logprob, ranks along path, depth index, rank, parent node, parent path_logprob).
+    # Entry: (-path_logprob, ranks along path, depth index, rank, parent node, parent path_logprob, resolved).
     # A successor's key is never smaller than its predecessor's (log-probs <= 0 and the rank tuple
     # grows), so pushing successors only after their predecessor is popped keeps the order exact.
-    heap = [(-lp[0][0], (0,), 0, 0, 0, 0.0)]
+    # A first child enters unresolved, keyed by its parent's weight (an upper bound): its depth's row is
+    # ranked only when it reaches the top, so a search that stops earlier never computes that row. The
+    # emitted order is the eager one: an entry pops only when its true key is the smallest of all keys.
+    heap = [(-0.0, (0,), 0, 0, 0, 0.0, False)]
     emitted = 0
     while heap and emitted < max_nodes:
-        neg_w, ranks, d, r, parent, parent_w = heapq.heappop(heap)
+        neg_w, ranks, d, r, parent, parent_w, resolved = heapq.heappop(heap)
+        lp, ids = ranked.row(d)
+        if not resolved:
+            heapq.heappush(heap, (-(parent_w + lp[0]), ranks, d, 0, parent, parent_w, True))
+            continue
         w = -neg_w
         if w == neg_inf:
             return
         emitted += 1
         node = emitted  # tree index; the root is 0
-        yield TreeNode(parent, ids[d][r], d + 1, lp[d][r], w)
-        if r + 1 < ranked.k_cap and (r + 1 < len(lp[d]) or ranked.grow(d)):  # next sibling
-            sw = parent_w + lp[d][r + 1]
-            heapq.heappush(heap, (-sw, ranks[:-1] + (r + 1,), d, r + 1, parent, parent_w))
-        if d + 1 < depth_count:  # first child: best token at the next depth
-            cw = w + lp[d + 1][0]
-            heapq.heappush(heap, (-cw, ranks + (0,), d + 1, 0, node, w))
+        yield TreeNode(parent, ids[r], d + 1, lp[r], w)
+        if r + 1 < ranked.k_cap and (r + 1 < len(lp) or ranked.grow(d)):  # next sibling
+            sw = parent_w + lp[r + 1]
+            heapq.heappush(heap, (-sw, ranks[:-1] + (r + 1,), d, r + 1, parent, parent_w, True))
+        if d + 1 < depth_count:  # first child: the best token at the next depth, ranked when it is reached
+            heapq.heappush(heap, (neg_w, ranks + (0,), d + 1, 0, node, w, False))
 
 
 class _RankedMarginals:
@@ -241,29 +249,49 @@ class _RankedMarginals:
 
     A full top-k with k = budget over a 49k-150k vocab costs milliseconds, but peaked draft
     marginals rarely use more than a few ranks per depth, so start small and double a row only
-    when the heap asks for a rank past its end. With `token_ids` (a reduced draft vocabulary, ascending ids:
-    column j is token token_ids[j]) the ranks are over the columns and `ids` holds target ids.
+    when the heap asks for a rank past its end. Rows are ranked when first asked for (`row`): a
+    tensor's all at once, lazy scores' a chunk at a time. With `token_ids` (a reduced draft vocabulary,
+    ascending ids: column j is token token_ids[j]) the ranks are over the columns and `ids` holds target ids.
     """
 
     INITIAL_K = 16
 
-    def __init__(self, marginal_logprobs: torch.Tensor, k_cap: int, token_ids: torch.Tensor | None = None):
-        self.m = marginal_logprobs.detach().float()
+    def __init__(self, marginal_logprobs, k_cap: int, token_ids: torch.Tensor | None = None):
+        self.source = marginal_logprobs
+        self.depth_count = marginal_logprobs.shape[0]
         self.k_cap = k_cap
         self.token_ids = token_ids
-        top = torch.topk(self.m, min(k_cap, self.INITIAL_K), dim=-1)  # sorted descending
-        self.lp: list[list[float]] = top.values.tolist()
-        self.ids: list[list[int]] = self._ids(top.indices)
+        self.m: list[torch.Tensor] = []  # log-prob row per ranked depth
+        self.lp: list[list[float]] = []
+        self.ids: list[list[int]] = []
+
+    def row(self, d: int) -> tuple[list[float], list[int]]:
+        """(log-probs, target ids) of depth index d, best first, ranking it (and its chunk) if not yet."""
+        while d >= len(self.lp):
+            self._rank(len(self.lp))
+        return self.lp[d], self.ids[d]
+
+    def _rank(self, d: int) -> None:
+        if isinstance(self.source, torch.Tensor):
+            rows = self.source[d:].detach().float()
+        else:
+            rows = self.source.logprobs_from(d)
+        top = torch.topk(rows, min(self.k_cap, self.INITIAL_K), dim=-1)  # sorted descending
+        lp = top.values.tolist()
         # The best entry per row is the row max (NaN sorts first in topk), so checking it is free.
-        for d, row in enumerate(self.lp):
+        for i, row in enumerate(lp):
             if math.isnan(row[0]):
-                raise ValueError(f"marginal log-probs contain NaN (depth {d + 1})")
+                raise ValueError(f"marginal log-probs contain NaN (depth {d + i + 1})")
             if row[0] > 1e-4:
                 raise ValueError("marginal log-probs must be <= 0 (pass log_softmax of the logits, "
-                                 f"not logits); depth {d + 1} has max {row[0]:.4g}")
+                                 f"not logits); depth {d + i + 1} has max {row[0]:.4g}")
+        self.m.extend(rows.unbind(0))
+        self.lp.extend(lp)
+        self.ids.extend(self._ids(top.indices))
 
     def grow(self, d: int) -> bool:
         """Extend row d (about doubling it); returns True (it always gains entries below k_cap)."""
+        self.row(d)
         have = len(self.lp[d])
         top = torch.topk(self.m[d], min(self.k_cap, 2 * have))
         # With ties, a larger top-k may pick different members of a tied group; keep the entries we
@@ -280,12 +308,13 @@ class _RankedMarginals:
 
     def logprob_of(self, d: int, token: int) -> float:
         """The log-prob of target id `token` at depth index d (-inf outside a reduced vocabulary)."""
+        self.row(d)
         if self.token_ids is None:
-            return float(self.m[d, token])
+            return float(self.m[d][token])
         # binary search in the (sorted) draft vocabulary: no per-round inverse map on the hot path
         j = int(torch.searchsorted(self.token_ids, token))
         inside = j < self.token_ids.numel() and int(self.token_ids[j]) == token
-        return float(self.m[d, j]) if inside else -math.inf
+        return float(self.m[d][j]) if inside else -math.inf
 
 
 def build_best_first_tree(root_token: int, marginal_logprobs: torch.Tensor, budget: int,
@@ -363,6 +392,10 @@ def random_tree(num_draft_nodes: int, vocab_size: int, shape: str = "random",
 
 
 def _check_marginals_shape(m) -> None:
+    if isinstance(m, LazyDraftScores):
+        if m.depth_count < 1 or m.vocab_size < 1:
+            raise ValueError(f"marginal log-probs need depth >= 1 and vocab >= 1, got shape {m.shape}")
+        return
     if not isinstance(m, torch.Tensor):
         raise TypeError(f"marginal log-probs must be a torch.Tensor [D, V], got {type(m).__name__}")
     if m.dim() != 2:

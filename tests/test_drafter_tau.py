@@ -7,6 +7,7 @@ import torch
 
 from drafttree.engine import generate_ar, generate_speculative
 from drafttree.load import load_target
+from drafttree.marginals import dense_logits
 from drafttree.proposers import BestFirstPolicy, ChainPolicy, DFlashProposer
 from spec_helpers import random_drafter_for
 from test_speculative import prompts
@@ -26,7 +27,7 @@ class PartlyRightDrafts(DFlashProposer):
         self.sequence = sequence
 
     def draft(self, state, root, start):
-        logits = super().draft(state, root, start).clone()
+        logits = dense_logits(super().draft(state, root, start)).clone()
         for d in range(min(start % 5, logits.shape[0], self.sequence.numel() - start - 1)):
             logits[d, int(self.sequence[start + 1 + d])] = 50.0
         return logits

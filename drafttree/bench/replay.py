@@ -29,6 +29,7 @@ from ..compute import add_compute_argument, compute_of
 from ..costmodel import VerifyCostModel, caddtree_select
 from ..engine import generate_ar
 from ..recalibrate import RoundCalibrator
+from ..marginals import log_marginals
 from ..tree import TreeNode, best_first_nodes
 
 
@@ -104,7 +105,7 @@ def _node_stream(proposer, root: int, drafted, max_nodes: int):
     `--weaver-stream`) over Weaver's path probabilities at its width."""
     if hasattr(proposer, "stream"):
         return iter(proposer.stream(root, drafted, max_nodes))
-    return best_first_nodes(drafted.log_softmax(-1), max_nodes, getattr(proposer, "draft_token_ids", None))
+    return best_first_nodes(log_marginals(drafted), max_nodes, getattr(proposer, "draft_token_ids", None))
 
 
 @dataclass

@@ -133,8 +133,12 @@ class DraftAttention(nn.Module):
     def attend(self, q, k, v, mask=None):
         """q [..., heads, Q, d] against k/v [..., kv_heads, K, d]; bidirectional unless a boolean mask
         [..., 1, Q, K] is given. GQA through SDPA (on CPU faster than repeating k/v)."""
+        return self.o_proj(self.attention_heads(q, k, v, mask))
+
+    def attention_heads(self, q, k, v, mask=None):
+        """`attend` before the output projection: [..., Q, heads*d]."""
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
-        return self.o_proj(out.transpose(-3, -2).flatten(-2))
+        return out.transpose(-3, -2).flatten(-2)
 
 
 class DraftLayer(nn.Module):
@@ -229,6 +233,14 @@ class DFlashDrafter(nn.Module):
         Returns the final-normed hidden states [B, H]; the block's own K/V are written to scratch
         rows after the context and never committed.
         """
+        rows = self.draft_rows(ctx, block_embeds, start_position)
+        return rows.rows(0, rows.count)
+
+    @torch.no_grad()
+    def draft_rows(self, ctx: "DraftContext", block_embeds: torch.Tensor, start_position: int) -> "BlockRows":
+        """`draft` up to the last layer's attention: every row's K/V is needed by every other row, but the
+        rest of the last layer (output projection, MLP, final norm) is row by row, so `BlockRows` runs it
+        for the rows a tree asks for (drafttree.marginals)."""
         B = min(block_embeds.shape[0], self.rotary.cos.shape[0] - start_position)  # no positions past the context
         block_embeds = block_embeds[:B]
         ctx.ensure_capacity(ctx.length + B)
@@ -237,35 +249,26 @@ class DFlashDrafter(nn.Module):
         cos, sin = self._rope(pos, h.dtype)
         c, end = ctx.length, ctx.length + B
         kernel = self.layers[0].self_attn.kernel_isa if self.layers else None
-        if kernel is not None and ctx.k.dtype == torch.float32 and self.layers[0].self_attn.qkv is not None:
-            return self._draft_fused(ctx, h, cos, sin, kernel)
+        fused = kernel is not None and ctx.k.dtype == torch.float32 and self.layers[0].self_attn.qkv is not None
+        if fused:
+            from drafttree.ops.attention import rope_tree_attention
+
+            block = torch.ones(B, B, dtype=torch.bool)
+            cos, sin = cos.squeeze(-3), sin.squeeze(-3)
+        heads = None
         for i, layer in enumerate(self.layers):
+            if heads is not None:
+                h = layer_tail(self.layers[i - 1], h, heads)
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q, k, v = attn.project(x, cos, sin)
+            if fused:  # q/k norms, RoPE, the block's K/V into its scratch rows and attention: one C++ call
+                heads = rope_tree_attention(attn.qkv(layer.input_layernorm(h)), cos, sin, ctx.k[i], ctx.v[i], c, block,
+                                            attn.n_heads, attn.n_kv, kernel, attn.q_norm, attn.k_norm)
+                continue
+            q, k, v = attn.project(layer.input_layernorm(h), cos, sin)
             ctx.k[i, :, c:end] = k  # scratch rows: the block sees itself and the whole context
             ctx.v[i, :, c:end] = v
-            h = h + attn.attend(q, ctx.k[i, :, :end], ctx.v[i, :, :end])
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
-
-    def _draft_fused(self, ctx: "DraftContext", h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     isa: str) -> torch.Tensor:
-        """`draft` on the quantized paths: q/k norms, RoPE, the block's K/V written to its scratch rows and
-        bidirectional attention over context + block in one C++ call per layer (drafttree.ops.attention)."""
-        from drafttree.ops.attention import rope_tree_attention
-
-        B, c = h.shape[0], ctx.length
-        block = torch.ones(B, B, dtype=torch.bool)
-        cos, sin = cos.squeeze(-3), sin.squeeze(-3)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            qkv = attn.qkv(layer.input_layernorm(h))
-            out = rope_tree_attention(qkv, cos, sin, ctx.k[i], ctx.v[i], c, block, attn.n_heads,
-                                      attn.n_kv, isa, attn.q_norm, attn.k_norm)
-            h = h + attn.o_proj(out)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+            heads = attn.attention_heads(q, ctx.k[i, :, :end], ctx.v[i, :, :end])
+        return BlockRows(self, h, heads)
 
     # ---- LM head -------------------------------------------------------------------------
     def head_weight(self, lm_head):
@@ -355,6 +358,31 @@ class DFlashDrafter(nn.Module):
             ck, cv = layer.self_attn.keys_values(ctx, ccos, csin)
             h = layer(h, bcos, bsin, ck, cv, attn_mask)
         return self.norm(h)
+
+
+def layer_tail(layer: DraftLayer, h: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """A draft layer after its attention, row by row: residual + output projection, then the MLP block."""
+    h = h + layer.self_attn.o_proj(heads)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+@dataclass
+class BlockRows:
+    """One drafted block before the last layer's row-wise tail: `rows(a, b)` is `draft`'s hidden states
+    [b-a, H] for block rows a..b-1, computed for those rows only."""
+
+    drafter: DFlashDrafter
+    h: torch.Tensor  # [B, H] the residual stream entering the last layer
+    heads: torch.Tensor | None  # [B, heads*d] the last layer's attention output (None: no layers)
+
+    @property
+    def count(self) -> int:
+        return self.h.shape[0]
+
+    def rows(self, a: int, b: int) -> torch.Tensor:
+        d = self.drafter
+        h = self.h[a:b] if self.heads is None else layer_tail(d.layers[-1], self.h[a:b], self.heads[a:b])
+        return d.norm(h)
 
 
 @dataclass

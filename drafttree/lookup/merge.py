@@ -43,12 +43,13 @@ class MergedNode(NamedTuple):
         return TreeNode(self.parent, self.token, self.depth, self.logprob, self.path_logprob)
 
 
-def merged_best_first(cont: Continuations | None, marginal_logprobs: torch.Tensor | None, max_nodes: int,
+def merged_best_first(cont: Continuations | None, marginal_logprobs, max_nodes: int,
                       drafter_scale: float = 1.0, token_ids: torch.Tensor | None = None) -> Iterator[MergedNode]:
     """The merged stream, at most `max_nodes` nodes, best first; stops early when only zero weights remain.
 
-    marginal_logprobs [D, V]: the drafter's log-probs per depth (row d is depth d + 1), or None (lookup
-    alone); with a reduced draft vocabulary V is its size and token_ids [V] the target id of each column
+    marginal_logprobs [D, V]: the drafter's log-probs per depth (row d is depth d + 1; a tensor or a
+    marginals.LazyDraftScores, whose rows are computed when the stream first reaches their depth), or None
+    (lookup alone); with a reduced draft vocabulary V is its size and token_ids [V] the target id of each column
     (a trie token outside it has drafter weight 0). `cont`: the lookup's continuations, or None.
     `drafter_scale` multiplies the drafter's path
     probabilities (caddtree-online's acceptance scale). Ties pop in push order (deterministic).
@@ -69,7 +70,7 @@ def merged_best_first(cont: Continuations | None, marginal_logprobs: torch.Tenso
     def children(index, depth, score, drafter_lp, lookup_lp, trie):
         """Per parent: (sorted trie candidates, the drafter row or -1, cursor state) as a small list."""
         look = []
-        row = depth if ranked is not None and depth < len(ranked.lp) and drafter_lp > NEG_INF else -1
+        row = depth if ranked is not None and depth < ranked.depth_count and drafter_lp > NEG_INF else -1
         if trie is not None:
             for c in cont.children(trie):
                 d_lp = drafter_lp + ranked.logprob_of(depth, c.token) if row >= 0 else NEG_INF
@@ -86,7 +87,7 @@ def merged_best_first(cont: Continuations | None, marginal_logprobs: torch.Tenso
         best_l = look[li] if li < len(look) else None
         best_d = None
         if row >= 0:
-            lp, ids = ranked.lp[row], ranked.ids[row]
+            lp, ids = ranked.row(row)
             while True:
                 if rank >= len(lp) and not (rank < ranked.k_cap and ranked.grow(row)):
                     break
@@ -106,20 +107,32 @@ def merged_best_first(cont: Continuations | None, marginal_logprobs: torch.Tenso
             return best_d[0], best_d[1], best_d[2], NEG_INF, None
         return None
 
-    def push(ch):
+    def push(ch, order=None):
         nonlocal counter
         nxt = next_child(ch)
         if nxt is not None and nxt[0] > NEG_INF:
-            heapq.heappush(heap, (-nxt[0], counter, ch, nxt))
-            counter += 1
+            heapq.heappush(heap, (-nxt[0], counter if order is None else order, ch, nxt))
+            counter += order is None
+
+    def push_children_later(args):
+        """A node's best child enters keyed by the node's own weight (no child weighs more) and is found
+        when it reaches the top, so the drafter row of a depth the stream never gets to is never computed.
+        It keeps its push-time place among ties, so the order is the eager one."""
+        nonlocal counter
+        heapq.heappush(heap, (-args[2], counter, None, args))
+        counter += 1
 
     root_trie = cont.root if cont is not None else None
     push(children(0, 0, 0.0, 0.0, 0.0 if root_trie is not None else NEG_INF, root_trie))
     emitted = 0
     while heap and emitted < max_nodes:
-        _, _, parent, (w, token, d_lp, l_lp, trie) = heapq.heappop(heap)
+        _, order, parent, entry = heapq.heappop(heap)
+        if parent is None:  # a node's children, not looked at yet
+            push(children(*entry), order)
+            continue
+        w, token, d_lp, l_lp, trie = entry
         emitted += 1
         depth = parent[1] + 1
         yield MergedNode(parent[0], token, depth, w - parent[2], w, d_lp, trie)
         push(parent)  # the parent's next sibling candidate
-        push(children(emitted, depth, w, d_lp, l_lp, trie))  # this node's best child
+        push_children_later((emitted, depth, w, d_lp, l_lp, trie))  # this node's best child

@@ -20,6 +20,7 @@ import torch
 
 from ..costmodel import CaddSelection, caddtree_select
 from ..draft_gate import ContextGate
+from ..marginals import log_marginals
 from ..proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer, DFlashState
 from ..protocols import Clock
 from ..tree import DraftTree
@@ -211,7 +212,7 @@ class LookupDFlashProposer:
     def build_tree(self, state: LookupDFlashState, root: int, drafted, start: int) -> DraftTree:
         logits, cont = drafted  # logits None: the drafter was skipped (here, or by the DFlash proposer's gate)
         policy = self.policy
-        marginals = None if logits is None else logits.log_softmax(-1)
+        marginals = None if logits is None else log_marginals(logits)
         if not self.cost_aware:
             nodes = [] if cont is None and marginals is None else list(
                 islice(merged_best_first(cont, marginals, policy.budget, token_ids=self.dflash.draft_token_ids),
