@@ -12,6 +12,37 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class GateMemory:
+    """What each choice earned over a proposer's earlier requests (slow forgetting), so that a new request's
+    gate starts from it instead of paying its warm-up again: on a machine where drafting does not pay, the
+    warm-up's drafted rounds were most of what a gated request lost to plain decoding. The request's own
+    rounds soon outweigh it, and the probes still try the other choice."""
+
+    forget: float = 0.98  # per round of the same choice: about fifty rounds, a few requests
+    min_rounds: int = 6  # rounds of a choice before a new gate trusts the memory of it (a gate's own warm-up)
+    seed_rounds: float = 3.0  # what the memory weighs in a new gate, in rounds of the request's own
+    tokens: dict = field(default_factory=lambda: {True: 0.0, False: 0.0})
+    ms: dict = field(default_factory=lambda: {True: 0.0, False: 0.0})
+    weight: dict = field(default_factory=lambda: {True: 0.0, False: 0.0})
+    rounds: dict = field(default_factory=lambda: {True: 0, False: 0})
+
+    def observe(self, draft: bool, tokens: int, ms: float) -> None:
+        f = self.forget
+        self.tokens[draft] = f * self.tokens[draft] + tokens
+        self.ms[draft] = f * self.ms[draft] + ms
+        self.weight[draft] = f * self.weight[draft] + 1.0
+        self.rounds[draft] += 1
+
+    def seed(self, gate: "DraftGate") -> None:
+        """Start `gate` from the remembered mean round of each choice the memory knows well enough."""
+        for draft in (True, False):
+            if self.rounds[draft] >= self.min_rounds and self.ms[draft] > 0:
+                k = self.seed_rounds / self.weight[draft]
+                gate._tokens[draft], gate._ms[draft] = k * self.tokens[draft], k * self.ms[draft]
+                gate._seen[draft] = gate.warmup_rounds
+
+
+@dataclass
 class DraftGate:
     forget: float = 0.9  # per round of the same choice: about ten rounds of memory
     warmup_rounds: int = 6  # rounds of each choice before the gate trusts its rates
@@ -22,6 +53,11 @@ class DraftGate:
     _seen: dict = field(default_factory=lambda: {True: 0, False: 0})
     _since_probe: int = 0
     _probing: int = 0
+    memory: GateMemory | None = None  # shared by the proposer's requests: seeds this gate, learns from its rounds
+
+    def __post_init__(self):
+        if self.memory is not None:
+            self.memory.seed(self)
 
     def rate(self, draft: bool) -> float:
         """Tokens per ms of this choice so far (forgetting older rounds)."""
@@ -30,6 +66,8 @@ class DraftGate:
     def observe(self, draft: bool, tokens: int, ms: float) -> None:
         if ms <= 0:
             return
+        if self.memory is not None:
+            self.memory.observe(draft, tokens, ms)
         f = self.forget
         self._tokens[draft] = f * self._tokens[draft] + tokens
         self._ms[draft] = f * self._ms[draft] + ms
@@ -62,6 +100,11 @@ class ContextGate:
     gates: dict = field(default_factory=lambda: {False: DraftGate(), True: DraftGate()})
     context: bool = False  # the kind of the round about to be chosen
     _chosen: bool = False  # the kind of the last chosen round: the one `observe` measures
+
+    @classmethod
+    def remembering(cls, memories: dict) -> "ContextGate":
+        """A gate per kind of round, each seeded from (and teaching) memories[kind] (a GateMemory)."""
+        return cls({kind: DraftGate(memory=memories[kind]) for kind in (False, True)})
 
     def observe(self, draft: bool, tokens: int, ms: float) -> None:
         self.gates[self._chosen].observe(draft, tokens, ms)

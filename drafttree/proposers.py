@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .costmodel import VerifyCostModel, build_caddtree
-from .draft_gate import DraftGate
+from .draft_gate import DraftGate, GateMemory
 from .drafter.model import DraftContext
 from .marginals import LazyDraftScores, dense_logits, log_marginals
 from .model.linear import head_rows_source
@@ -145,8 +145,9 @@ class DFlashState:
     clock: Clock
     gate: DraftGate | None = None
     round: list | None = None  # [drafted, start time, tokens committed] of the round in flight (gated only)
-    deferred: list = field(default_factory=list)  # features of plain rounds, added to the context when drafting resumes
+    deferred: list = field(default_factory=list)  # features of undrafted rounds, added to the context when drafting resumes
     deferred_start: int = 0
+    drafting: bool = True  # whether the round in flight ran the drafter (False: a plain round, or a lookup-only tree)
 
     @property
     def nbytes(self) -> int:
@@ -171,11 +172,12 @@ class DFlashProposer:
         self.lm_head = head_rows_source(target_model) if drafter.config.draft_vocab_size else target_model.logits
         self.draft_token_ids = drafter.draft_token_ids  # [Vd] target id per marginal column, or None (all ids)
         self.vocab_size = drafter.config.draft_vocab_size or drafter.config.vocab_size
+        self.gate_memory = GateMemory()  # what drafting and plain rounds earned in this proposer's earlier requests
 
     def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor, clock: Clock = time.perf_counter) -> DFlashState:
         """Drafter prefill: context K/V of the whole prompt."""
         state = DFlashState(self.drafter.new_context(prompt_features.shape[0] + self.drafter.config.block_size + 64),
-                            self.policy.new_state(clock), clock, DraftGate() if self.gate else None)
+                            self.policy.new_state(clock), clock, DraftGate(memory=self.gate_memory) if self.gate else None)
         self.drafter.extend_context(state.context, prompt_features, torch.arange(prompt_features.shape[0]))
         return state
 
@@ -185,7 +187,8 @@ class DFlashProposer:
         most n deep): no head rows for depths no tree reaches. With `lazy_rows` (the default) a
         marginals.LazyDraftScores: rows computed when the tree first reaches their depth. None: the gate
         chose a plain round (the tree is the root alone)."""
-        if state.gate is not None and not self._gate_drafts(state):
+        state.drafting = state.gate is None or self._gate_drafts(state)
+        if not state.drafting:
             self.policy.interrupt(state.policy)
             return None
         if state.deferred:
@@ -217,15 +220,27 @@ class DFlashProposer:
 
     def advance(self, state: DFlashState, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor,
                 start: int) -> None:
-        """Append the accepted nodes (root first) to the drafter's context (after a plain round: later,
-        all such rounds in one call, when drafting resumes)."""
+        """Append the accepted nodes (root first) to the drafter's context; after a round that did not run the
+        drafter, later: all such rounds in one call when drafting resumes (a context update costs about the
+        same for one token as for twenty: its calls, not its rows)."""
         n = accepted_features.shape[0]
+        plain = state.round is not None and not state.round[0]  # the gate's plain round
         if state.round is not None:
             state.round[2] = n
-            if not state.round[0]:
-                if not state.deferred:
-                    state.deferred_start = start
-                state.deferred.append(accepted_features)
-                return
-        self.policy.record_acceptance(state.policy, n - 1)
-        self.drafter.extend_context(state.context, accepted_features, torch.arange(start, start + n))
+        if not plain:
+            self.policy.record_acceptance(state.policy, n - 1)
+        if state.drafting:
+            self.drafter.extend_context(state.context, accepted_features, torch.arange(start, start + n))
+            return
+        if not state.deferred:
+            state.deferred_start = start
+        state.deferred.append(accepted_features)
+
+    def skip_drafter(self, state: DFlashState) -> None:
+        """The round in flight does without the drafter (its tree comes from elsewhere): its context update
+        waits, and the gate's round in flight (if any) ends here, so it measures that round alone."""
+        state.drafting = False
+        if state.gate is not None and state.round is not None:
+            drafted, t0, tokens = state.round
+            state.gate.observe(drafted, tokens, (state.clock() - t0) * 1e3)
+            state.round = None

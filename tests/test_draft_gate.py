@@ -4,7 +4,7 @@ import itertools
 
 import torch
 
-from drafttree.draft_gate import ContextGate, DraftGate
+from drafttree.draft_gate import ContextGate, DraftGate, GateMemory
 from drafttree.engine import Sequence, generate_ar
 from drafttree.load import load_target
 from drafttree.proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer
@@ -12,8 +12,8 @@ from spec_helpers import random_drafter_for
 from test_speculative import prompts, synthetic_cost_model
 
 
-def run_gate(draft_rate: float, plain_rate: float, rounds: int = 200) -> list[bool]:
-    gate, choices = DraftGate(), []
+def run_gate(draft_rate: float, plain_rate: float, rounds: int = 200, memory: GateMemory | None = None) -> list[bool]:
+    gate, choices = DraftGate(memory=memory), []
     for _ in range(rounds):
         d = gate.choose()
         choices.append(d)
@@ -27,6 +27,27 @@ def test_gate_plays_the_faster_choice_and_probes_the_other():
     assert sum(fast_draft[20:]) / 180 > 0.85 and sum(fast_plain[20:]) / 180 < 0.15
     assert 0 < sum(fast_plain[20:])  # still probes drafting: the text may change
     assert fast_draft[:6] == [True] * 6 and fast_draft[6:12] == [False] * 6  # both measured first
+
+
+def test_a_new_request_starts_from_what_earlier_requests_measured():
+    """With a memory shared by requests, the second request skips the warm-up: it plays the faster choice
+    from its first round, and still probes the other one."""
+    memory = GateMemory()
+    first = run_gate(draft_rate=0.7, plain_rate=1.0, rounds=60, memory=memory)
+    assert first[:6] == [True] * 6  # nothing remembered yet: the warm-up as before
+    second = run_gate(draft_rate=0.7, plain_rate=1.0, rounds=100, memory=memory)
+    assert second[:20] == [False] * 20 and any(second)
+    # and it follows its own rounds when they disagree with the memory
+    third = run_gate(draft_rate=2.5, plain_rate=1.0, rounds=200, memory=memory)
+    assert sum(third[100:]) / 100 > 0.85
+
+
+def test_memory_is_trusted_only_after_enough_rounds():
+    memory = GateMemory(min_rounds=6)
+    run_gate(draft_rate=0.7, plain_rate=1.0, rounds=5, memory=memory)  # 5 drafted rounds: too few
+    assert run_gate(draft_rate=0.7, plain_rate=1.0, rounds=12, memory=memory)[:6] == [True] * 6
+    # drafting now known (5 + 6 rounds), plain rounds not yet: only their warm-up runs
+    assert run_gate(draft_rate=0.7, plain_rate=1.0, rounds=12, memory=memory)[:6] == [False] * 6
 
 
 def test_context_gate_learns_each_kind_of_round_apart():
@@ -48,8 +69,8 @@ def test_context_gate_learns_each_kind_of_round_apart():
 class ScriptedGate(DraftGate):
     """Alternates runs of drafted and plain rounds, to exercise the drafter's catch-up."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self.script = itertools.cycle([True, True, False, False, False, True, False])
 
     def choose(self) -> bool:

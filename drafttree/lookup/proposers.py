@@ -19,7 +19,7 @@ from itertools import islice, takewhile
 import torch
 
 from ..costmodel import CaddSelection, caddtree_select
-from ..draft_gate import ContextGate
+from ..draft_gate import ContextGate, GateMemory
 from ..marginals import log_marginals
 from ..proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer, DFlashState
 from ..protocols import Clock
@@ -171,6 +171,7 @@ class LookupDFlashProposer:
         self.cost_aware = isinstance(policy, CostAwarePolicy)
         self.skip_drafter = skip_drafter and self.cost_aware
         self.explore_every, self.ema = explore_every, ema
+        self.gate_memories = {False: GateMemory(), True: GateMemory()}  # per kind of round, over requests
         if self.cost_aware:  # a lookup-only round pays no draft cost
             self._no_draft_cost = dataclasses.replace(policy.cost_model, draft_ms=0.0, draft_ms_per_context_token=0.0)
 
@@ -178,7 +179,7 @@ class LookupDFlashProposer:
               ) -> LookupDFlashState:
         dflash = self.dflash.begin(prompt_ids, prompt_features, clock)
         if dflash.gate is not None:  # a matched round and an unmatched one pay for drafting differently: a gate each
-            dflash.gate = ContextGate()
+            dflash.gate = ContextGate.remembering(self.gate_memories)
         return LookupDFlashState(dflash, LookupState.begin(prompt_ids, self.config))
 
     # ---- one round ----
@@ -195,6 +196,7 @@ class LookupDFlashProposer:
             state.pending = (alone, overhead, scale)
             if alone is not None and self.skip_drafter and self._lookup_alone_wins(state, alone, start, overhead):
                 state.skipped += 1
+                self.dflash.skip_drafter(state.dflash)
                 return None, cont
         state.skipped = 0
         if state.dflash.gate is not None:
