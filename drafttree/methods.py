@@ -74,10 +74,15 @@ def cost_model_path(target: Target) -> Path:
         from .ops.cpu_extension import build_name            # change re-profiles instead of reusing old costs)
 
         isa = f"-{target.compute.isa}-{build_name()}"
-    return cache_root() / "costmodels" / f"{name}-{target.compute_path}{isa}-t{torch.get_num_threads()}.json"
+    return (cache_root() / "costmodels" /
+            f"{name}-{target.compute_path}{isa}-t{torch.get_num_threads()}-v{COST_MODEL_VERSION}.json")
 
 
-def load_or_profile_cost_model(target: Target, proposer_factory, quiet: bool = False):
+# 2: the draft cost is a CaDDTree round's (its depth cap, the first lazy chunk of head rows), not a 15-deep chain's
+COST_MODEL_VERSION = 2
+
+
+def load_or_profile_cost_model(target: Target, drafter, quiet: bool = False):
     """The machine's verify-cost model for this target, profiled (about a minute) on first use."""
     from .costmodel import VerifyCostModel
     from .profile import profile_costs
@@ -91,7 +96,7 @@ def load_or_profile_cost_model(target: Target, proposer_factory, quiet: bool = F
     if not quiet:
         print(f"drafttree: no cost model for this machine and compute path yet; profiling into {path} "
               "(about a minute; `drafttree profile` redoes it)", file=sys.stderr)
-    model = profile_costs(target, proposer_factory(), quick=True)
+    model = profile_costs(target, drafter, quick=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     model.save(path)
     return model
@@ -129,7 +134,7 @@ def make_proposer(method: str, target: Target, drafter=None, budget: int = 16, c
         policy = BestFirstPolicy(budget)
     else:
         if cost_model is None:
-            cost_model = load_or_profile_cost_model(target, lambda: DFlashProposer(drafter, target.model, ChainPolicy()))
+            cost_model = load_or_profile_cost_model(target, drafter)
         policy = CostAwarePolicy(cost_model, max_tree_nodes, recalibrate=method == "caddtree-online")
     # caddtree-online adapts to the request: recalibrated trees, and plain rounds where drafting does not pay
     return DFlashProposer(drafter, target.model, policy, gate=method == "caddtree-online")

@@ -21,9 +21,20 @@ FULL_CONTEXTS = (128, 512, 1024, 2048)
 QUICK_CONTEXTS = (128, 1024)
 
 
-def profile_costs(target, proposer, quick: bool = False, repeats: int | None = None, progress: bool = True,
+def draft_cost_proposer(drafter, model):
+    """The proposer whose round is C_d: CaDDTree's depth cap, head rows computed lazily, so a measured round pays
+    the drafter's layers and the first chunk of rows, what every CaDDTree round pays (deeper chunks are paid by
+    the rounds that reach them; caddtree-online's recalibration sees their mean)."""
+    from .proposers import CostAwarePolicy, DFlashProposer
+
+    policy = CostAwarePolicy(cost_model=None)  # only its depth cap: no tree is built here
+    return DFlashProposer(drafter, model, policy)
+
+
+def profile_costs(target, drafter, quick: bool = False, repeats: int | None = None, progress: bool = True,
                   token_counts=None, context_lens=None) -> VerifyCostModel:
     model = target.model
+    proposer = draft_cost_proposer(drafter, model)
     tokens = token_counts or (QUICK_TOKENS if quick else FULL_TOKENS)
     contexts = context_lens or (QUICK_CONTEXTS if quick else FULL_CONTEXTS)
     repeats = repeats or (3 if quick else 7)
@@ -66,11 +77,10 @@ def run(a) -> int:
 
     from .load import load_target
     from .methods import cost_model_path, load_drafter_for
-    from .proposers import ChainPolicy, DFlashProposer
 
     target = load_target(a.model, compute=compute_of(a), threads=a.threads)
     drafter = load_drafter_for(target, a.drafter)
-    model = profile_costs(target, DFlashProposer(drafter, target.model, ChainPolicy()), quick=a.quick)
+    model = profile_costs(target, drafter, quick=a.quick)
     path = Path(a.out) if a.out else cost_model_path(target)
     path.parent.mkdir(parents=True, exist_ok=True)
     model.save(path)

@@ -456,10 +456,12 @@ def test_a_cached_cost_model_needs_no_writable_cache(monkeypatch, tmp_path, mode
     checked = []
     monkeypatch.setattr(validate, "check_writable",
                         lambda path, what, **k: checked.append(what) if "cost-model" in what else None)
+    from drafttree.methods import COST_MODEL_VERSION
     from drafttree.ops.cpu_extension import build_name
 
     kernels = f"{cpu_info().int8_isa}-{build_name()}"  # the kernel build is part of a kernel path's name
-    for compute, name in (("auto", f"model-q4-{kernels}-t3.json"), ("fp32", "model-fp32-t3.json")):
+    v = COST_MODEL_VERSION
+    for compute, name in (("auto", f"model-q4-{kernels}-t3-v{v}.json"), ("fp32", f"model-fp32-t3-v{v}.json")):
         argv = ["generate", "hi", "--method", "caddtree", "--model", str(model_dir), "--compute", compute]
         cli.check_args(cli.build_parser().parse_args(argv))
         assert checked == ["the cost-model cache"], checked  # nothing cached yet: checked
@@ -691,7 +693,7 @@ def test_profiling_notice_goes_to_stderr(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("DRAFTTREE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr("drafttree.profile.profile_costs", lambda *a, **k: VerifyCostModel.from_dict(_cost_model_dict()))
     target = SimpleNamespace(name="tiny", compute=None, compute_path="fp32")
-    model = methods.load_or_profile_cost_model(target, lambda: None)
+    model = methods.load_or_profile_cost_model(target, None)
     out, err = capsys.readouterr()
     assert out == "" and "profiling into" in err and str(methods.cost_model_path(target)) in err
-    assert methods.load_or_profile_cost_model(target, lambda: pytest.fail("profiled twice")).to_dict() == model.to_dict()
+    assert methods.load_or_profile_cost_model(target, None).to_dict() == model.to_dict()  # cached: not profiled twice

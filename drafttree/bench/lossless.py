@@ -153,7 +153,6 @@ def add_arguments(p) -> None:
 def run(a) -> int:
     from ..load import load_target
     from ..methods import load_drafter_for, load_or_profile_cost_model
-    from ..proposers import ChainPolicy, DFlashProposer
 
     # everything that needs no model is checked first: a typo must not cost a model load
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
@@ -171,7 +170,7 @@ def run(a) -> int:
     drafter = None if all(m in NO_DRAFTER for m in methods) else load_drafter_for(target, a.drafter)
     cost_model = None
     if any(m in COST_AWARE for m in methods):
-        cost_model = load_or_profile_cost_model(target, lambda: DFlashProposer(drafter, target.model, ChainPolicy()))
+        cost_model = load_or_profile_cost_model(target, drafter)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "records.jsonl", "w") as records:

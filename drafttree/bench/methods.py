@@ -516,14 +516,13 @@ def run(args) -> int:
     cost_model, cost_model_src = None, None
     if any(v.method in COST_AWARE for v in variants):
         from ..costmodel import VerifyCostModel
-        from ..proposers import ChainPolicy, DFlashProposer
 
         if args.cost_model:
             cost_model, cost_model_src = VerifyCostModel.load(args.cost_model), str(args.cost_model)
         else:
             from ..methods import cost_model_path
 
-            cost_model = load_or_profile_cost_model(target, lambda: DFlashProposer(drafter, target.model, ChainPolicy()))
+            cost_model = load_or_profile_cost_model(target, drafter)
             cost_model_src = str(cost_model_path(target))
     config = dict(model=target.name, compute=target.compute_label, threads=torch.get_num_threads(),
                   drafter=str(args.drafter) if args.drafter else ("shipped" if drafter is not None else None),

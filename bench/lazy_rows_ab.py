@@ -1,0 +1,72 @@
+"""Dense vs lazy draft rows (drafttree.marginals), side by side in one run: the same methods decoding the
+same prompts with the drafter's head rows computed for every depth at once or as the tree reaches them,
+interleaved per prompt. Prints the CPU's ISA, tok/s, draft + tree ms per drafted round (the head runs
+inside the tree build when lazy) and checks that both produce the same tokens.
+
+  .venv/bin/python bench/lazy_rows_ab.py --methods caddtree,ddtree --limit 2 --threads 2
+"""
+import argparse
+import json
+
+import torch
+from tqdm import tqdm
+
+from drafttree.compute import cpu_info
+from drafttree.datasets import load_prompts
+from drafttree.load import load_target
+from drafttree.methods import generate, load_drafter_for, make_proposer
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--methods", default="caddtree,ddtree")
+    ap.add_argument("--datasets", default="gsm8k,humaneval,mtbench")
+    ap.add_argument("--limit", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    cpu = cpu_info()
+    target = load_target(a.model, compute="auto", threads=a.threads)
+    print(f"CPU: {cpu.model} ({cpu.arch}); ISA: {cpu.isa_summary}; torch threads {torch.get_num_threads()}; "
+          f"target on {target.compute_label}")
+    drafter = load_drafter_for(target)
+    cases = {}
+    for m in a.methods.split(","):
+        for rows in ("dense", "lazy"):
+            p = make_proposer(m, target, drafter)
+            getattr(p, "dflash", p).lazy_rows = rows == "lazy"
+            generate(m, target, target.encode_chat("Hello!"), 8, proposer=p)  # warm-up: one-off costs
+            cases[(m, rows)] = p
+    totals = {k: {"tokens": 0, "s": 0.0, "draft_tree_s": 0.0, "drafted": 0} for k in cases}
+    prompts = [p for ds in a.datasets.split(",") for p in load_prompts(ds, a.limit)]
+    for prompt in tqdm(prompts, desc="prompts"):
+        ids, first = target.encode_chat(prompt), None
+        for (m, rows), p in cases.items():
+            st = generate(m, target, ids, a.max_new_tokens, proposer=p)
+            if first is None:
+                first = st.tokens
+            if st.tokens != first:
+                raise SystemExit(f"{m} ({rows}) produced different tokens: a bug")
+            t = totals[(m, rows)]
+            t["tokens"] += st.stats.new_tokens
+            t["s"] += st.stats.total_s
+            t["draft_tree_s"] += st.stats.draft_s + st.stats.tree_s
+            t["drafted"] += st.stats.drafted_rounds
+    print("| method | head rows | tok/s | draft + tree ms per drafted round | vs dense |")
+    print("|---|---|---:|---:|---:|")
+    for (m, rows), t in totals.items():
+        per_round = t["draft_tree_s"] * 1e3 / max(t["drafted"], 1)
+        dense = totals[(m, "dense")]
+        base = dense["draft_tree_s"] * 1e3 / max(dense["drafted"], 1)
+        t.update(tokens_per_s=t["tokens"] / t["s"], draft_tree_ms_per_drafted_round=per_round)
+        print(f"| {m} | {rows} | {t['tokens_per_s']:.1f} | {per_round:.2f} | {per_round / base:.2f}x |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"cpu": cpu.model, "isa": cpu.isa_summary, "threads": torch.get_num_threads(),
+                       "totals": {f"{m}|{r}": t for (m, r), t in totals.items()}}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
