@@ -3,8 +3,8 @@
 Where the drafter is weak (text unlike its training data), a speculative round costs more than the
 tokens it gains, and plain one-token rounds are faster. The gate measures both choices on the request
 itself — tokens per ms of busy time, with exponential forgetting — plays the faster one and probes the
-other now and then, so a request never runs much slower than its faster choice. Both choices emit the
-target's own tokens, so the gate cannot change a greedy output.
+other now and then (less often while probes change nothing), so a request never runs much slower than its
+faster choice. Both choices emit the target's own tokens, so the gate cannot change a greedy output.
 """
 from __future__ import annotations
 
@@ -48,11 +48,14 @@ class DraftGate:
     warmup_rounds: int = 6  # rounds of each choice before the gate trusts its rates
     probe_every: int = 24  # rounds of the faster choice between probes of the other
     probe_rounds: int = 3
+    max_probe_every: int = 96  # probes that do not change the faster choice double the gap up to this
     _tokens: dict = field(default_factory=lambda: {True: 0.0, False: 0.0})
     _ms: dict = field(default_factory=lambda: {True: 0.0, False: 0.0})
     _seen: dict = field(default_factory=lambda: {True: 0, False: 0})
     _since_probe: int = 0
     _probing: int = 0
+    _gap: int = 0  # rounds between probes now (0: probe_every)
+    _probed_best: bool | None = None  # the faster choice when the last probe began, until it is judged
     memory: GateMemory | None = None  # shared by the proposer's requests: seeds this gate, learns from its rounds
 
     def __post_init__(self):
@@ -82,9 +85,13 @@ class DraftGate:
         if self._probing:
             self._probing -= 1
             return not best
+        if self._probed_best is not None:  # a probe just ended: a probe that changed nothing makes the next one later
+            gap = self._gap or self.probe_every
+            self._gap = min(2 * gap, self.max_probe_every) if best == self._probed_best else self.probe_every
+            self._probed_best = None
         self._since_probe += 1
-        if self._since_probe >= self.probe_every:  # the other choice's rate may have changed with the text
-            self._since_probe, self._probing = 0, self.probe_rounds - 1
+        if self._since_probe >= (self._gap or self.probe_every):  # the other choice's rate may have changed
+            self._since_probe, self._probing, self._probed_best = 0, self.probe_rounds - 1, best
             return not best
         return best
 

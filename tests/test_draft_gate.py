@@ -29,6 +29,22 @@ def test_gate_plays_the_faster_choice_and_probes_the_other():
     assert fast_draft[:6] == [True] * 6 and fast_draft[6:12] == [False] * 6  # both measured first
 
 
+def test_probes_that_change_nothing_come_less_often_and_a_change_is_still_found():
+    gate, starts, prev = DraftGate(), [], None
+    for i in range(600):
+        rate = {True: 0.7, False: 1.0} if i < 400 else {True: 2.5, False: 1.0}  # the text changes at round 400
+        d = gate.choose()
+        if i >= 12 and d and prev is not True and i < 400:
+            starts.append(i)  # a probe of drafting begins
+        prev = d
+        gate.observe(d, tokens=int(10 * rate[d]), ms=10.0)
+        if i == 599:
+            assert d  # after the change drafting is the faster choice again
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] == gate.max_probe_every + gate.probe_rounds - 1, gaps
+    assert len(starts) <= 6  # 24, 48, 96, 96, ... rounds apart, not every 27
+
+
 def test_a_new_request_starts_from_what_earlier_requests_measured():
     """With a memory shared by requests, the second request skips the warm-up: it plays the faster choice
     from its first round, and still probes the other one."""

@@ -56,7 +56,9 @@ def test_chat_streamed_and_not_equals_offline(smol, method):
                                       extra_body={"method": method})
         assert r.choices[0].message.content == target.decode(want.tokens)
         assert r.usage.completion_tokens == len(want.tokens) and r.choices[0].finish_reason == "length"
-        assert r.model_extra["drafttree"]["tau"] > 1.0  # the shipped drafter is accepted
+        # the shipped drafter is accepted; caddtree-online's gate may play plain steps only, where its memory of the
+        # earlier requests (the offline run above) says drafting does not pay on this CPU
+        assert r.model_extra["drafttree"]["tau"] > 1.0 or method == "caddtree-online"
         chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
                                                 stream=True, extra_body={"method": method}))
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == target.decode(want.tokens)
