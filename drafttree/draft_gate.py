@@ -54,11 +54,12 @@ class DraftGate:
     _seen: dict = field(default_factory=lambda: {True: 0, False: 0})
     _since_probe: int = 0
     _probing: int = 0
-    _gap: int = 0  # rounds between probes now (0: probe_every)
+    _gap: int = 0  # rounds between probes now: probe_every, doubled by each probe that changed nothing
     _probed_best: bool | None = None  # the faster choice when the last probe began, until it is judged
     memory: GateMemory | None = None  # shared by the proposer's requests: seeds this gate, learns from its rounds
 
     def __post_init__(self):
+        self._gap = self.probe_every
         if self.memory is not None:
             self.memory.seed(self)
 
@@ -86,11 +87,10 @@ class DraftGate:
             self._probing -= 1
             return not best
         if self._probed_best is not None:  # a probe just ended: a probe that changed nothing makes the next one later
-            gap = self._gap or self.probe_every
-            self._gap = min(2 * gap, self.max_probe_every) if best == self._probed_best else self.probe_every
+            self._gap = min(2 * self._gap, self.max_probe_every) if best == self._probed_best else self.probe_every
             self._probed_best = None
         self._since_probe += 1
-        if self._since_probe >= (self._gap or self.probe_every):  # the other choice's rate may have changed
+        if self._since_probe >= self._gap:  # the other choice's rate may have changed with the text
             self._since_probe, self._probing, self._probed_best = 0, self.probe_rounds - 1, best
             return not best
         return best

@@ -10,6 +10,7 @@ A plain [D, V] tensor of logits is the dense form; `log_marginals` and `dense_lo
 """
 from __future__ import annotations
 
+import bisect
 from typing import Callable
 
 import torch
@@ -34,9 +35,11 @@ class LazyDraftScores:
     def shape(self) -> tuple[int, int]:
         return self.depth_count, self.vocab_size
 
-    def _grow(self) -> None:
+    def _grow(self, b: int | None = None) -> None:
+        """Compute the next chunk: rows computed..b-1, by default doubling (2, 2, 4, 8, ...)."""
         a = self.computed
-        b = min(self.depth_count, a + max(self.first_chunk, a))  # doubling: 2, 2, 4, 8, ...
+        if b is None:
+            b = min(self.depth_count, a + max(self.first_chunk, a))
         logits = self._compute(a, b).float()
         if logits.shape != (b - a, self.vocab_size):
             raise ValueError(f"draft scores for depths {a + 1}..{b}: expected shape {(b - a, self.vocab_size)}, "
@@ -53,13 +56,13 @@ class LazyDraftScores:
             raise IndexError(f"depth index {d} outside 0..{self.depth_count - 1}")
         while self.computed <= d:
             self._grow()
-        i = max(j for j, s in enumerate(self._starts) if s <= d)
+        i = bisect.bisect_right(self._starts, d) - 1
         return self._logprobs[i][d - self._starts[i]:]
 
     def dense(self) -> torch.Tensor:
-        """All logits [D, V] fp32 (computing the rows not yet computed)."""
-        while self.computed < self.depth_count:
-            self._grow()
+        """All logits [D, V] fp32: the rows not computed yet in one call (a chain reads every depth)."""
+        if self.computed < self.depth_count:
+            self._grow(self.depth_count)
         if not self._logits:
             return torch.empty(0, self.vocab_size)
         return self._logits[0] if len(self._logits) == 1 else torch.cat(self._logits)

@@ -161,8 +161,7 @@ class DFlashProposer:
     the faster choice (drafttree.draft_gate); the drafter catches up on the skipped tokens in one call."""
 
     def __init__(self, drafter, target_model, policy, gate: bool = False, lazy_rows: bool = True):
-        self.drafter, self.model, self.policy, self.gate = drafter, target_model, policy, gate
-        self.lazy_rows = lazy_rows and not isinstance(policy, ChainPolicy)  # a chain reads every depth: one call
+        self.drafter, self.model, self.policy, self.gate, self.lazy_rows = drafter, target_model, policy, gate, lazy_rows
         self.capture_layers = tuple(drafter.config.target_layer_ids)
         self.depth = drafter.config.block_size - 1
         self.max_nodes = policy.max_nodes(self.depth)
@@ -205,13 +204,20 @@ class DFlashProposer:
                                depth, self.vocab_size)
 
     def _gate_drafts(self, state: DFlashState) -> bool:
+        now = self._end_gated_round(state)
+        drafted = state.gate.choose()
+        state.round = [drafted, now, 0]
+        return drafted
+
+    @staticmethod
+    def _end_gated_round(state: DFlashState) -> float:
+        """The gate measures the round in flight (if any) up to now; returns now."""
         now = state.clock()
         if state.round is not None:
             drafted, t0, tokens = state.round
             state.gate.observe(drafted, tokens, (now - t0) * 1e3)
-        drafted = state.gate.choose()
-        state.round = [drafted, now, 0]
-        return drafted
+            state.round = None
+        return now
 
     def build_tree(self, state: DFlashState, root: int, logits: torch.Tensor | None, start: int) -> DraftTree:
         if logits is None:
@@ -240,7 +246,5 @@ class DFlashProposer:
         """The round in flight does without the drafter (its tree comes from elsewhere): its context update
         waits, and the gate's round in flight (if any) ends here, so it measures that round alone."""
         state.drafting = False
-        if state.gate is not None and state.round is not None:
-            drafted, t0, tokens = state.round
-            state.gate.observe(drafted, tokens, (state.clock() - t0) * 1e3)
-            state.round = None
+        if state.gate is not None:
+            self._end_gated_round(state)

@@ -28,8 +28,8 @@ from ..atomic import atomic_path, atomic_write_text
 from ..compute import add_compute_argument, compute_of
 from ..costmodel import VerifyCostModel, caddtree_select
 from ..engine import generate_ar
-from ..recalibrate import RoundCalibrator
 from ..marginals import log_marginals
+from ..recalibrate import RoundCalibrator
 from ..tree import TreeNode, best_first_nodes
 
 
