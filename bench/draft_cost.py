@@ -1,6 +1,7 @@
 """Draft cost per round, split into drafter layers / head / tree build, for several drafters on the same
 target and compute path, each with the head rows computed for every depth at once (dense) and as the tree
-reaches them (lazy, the default: drafttree.marginals), measured interleaved in one run (so load changes hit
+reaches them (lazy, the default: drafttree.marginals), and lazily with the block trimmed to the depths the policy
+can place ("lazy+trim": DFlashProposer(trim_block=True)), measured interleaved in one run (so load changes hit
 all of them alike); prints the CPU's ISA and each round's ratio to the first drafter's dense round.
 
   .venv/bin/python bench/draft_cost.py --drafters DIR_A,DIR_B --threads 1 [--out results.json]
@@ -17,6 +18,7 @@ from drafttree.engine import Sequence
 from drafttree.load import load_target
 from drafttree.methods import load_drafter_for, make_proposer
 
+VARIANTS = ("dense", "lazy", "lazy+trim")
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and two tests."
 
 
@@ -28,7 +30,7 @@ def round_parts(target, proposer, steps: int = 4) -> dict:
         seq.step()
     state, root, start = seq.draft_state, seq.root, len(seq.prompt) + len(seq.tokens) - 1
     d = proposer.drafter
-    block = d.block_embeds(root, target.model.embed)
+    block = d.block_embeds(root, target.model.embed, proposer.block_rows)
     hidden = d.draft(state.context, block, start)[1:1 + proposer.draft_depth]
     scores = d.draft_scores(hidden, proposer.lm_head)
     return {
@@ -59,9 +61,9 @@ def main():
     for path in dirs:
         drafter = load_drafter_for(target, path)
         for m in methods:
-            for rows in ("dense", "lazy"):
+            for rows in VARIANTS:
                 proposer = make_proposer(m, target, drafter, budget=16)
-                proposer.lazy_rows = rows == "lazy"
+                proposer.lazy_rows, proposer.trim_block = rows != "dense", rows == "lazy+trim"
                 cases[(path, m, rows)] = round_parts(target, proposer)
     times = {key: {part: [] for part in parts} for key, parts in cases.items()}
     for _ in range(a.repeats):  # interleaved: every case sees the same machine state
@@ -77,7 +79,7 @@ def main():
     for m in methods:
         base = rows[f"{dirs[0]}|{m}|dense"]["round (draft + tree)"]
         for p in dirs:
-            for kind in ("dense", "lazy"):
+            for kind in VARIANTS:
                 r = rows[f"{p}|{m}|{kind}"]
                 print(f"| {p} | {m} | {kind} | " + " | ".join(f"{r[x]:.2f}" for x in parts)
                       + f" | {r['round (draft + tree)'] / base:.2f}x |")

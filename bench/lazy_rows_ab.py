@@ -1,7 +1,7 @@
-"""Dense vs lazy draft rows (drafttree.marginals), side by side in one run: the same methods decoding the
-same prompts with the drafter's head rows computed for every depth at once or as the tree reaches them,
-interleaved per prompt. Prints the CPU's ISA, tok/s, draft + tree ms per drafted round (the head runs
-inside the tree build when lazy) and checks that both produce the same tokens.
+"""Dense vs lazy draft rows (drafttree.marginals), and lazy rows with the drafter's block trimmed to the depths
+the policy can place (DFlashProposer.trim_block), side by side in one run: the same methods decoding the same
+prompts, interleaved per prompt. Prints the CPU's ISA, tok/s, τ, draft + tree ms per drafted round (the head
+runs inside the tree build when lazy) and checks that every variant produces the same tokens.
 
   .venv/bin/python bench/lazy_rows_ab.py --methods caddtree,ddtree --limit 2 --threads 2
 """
@@ -25,6 +25,7 @@ def main():
     ap.add_argument("--datasets", default="gsm8k,humaneval,mtbench")
     ap.add_argument("--limit", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--variants", default="dense,lazy", help="of dense, lazy, lazy+trim (the first is the baseline)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     cpu = cpu_info()
@@ -32,14 +33,15 @@ def main():
     print(f"CPU: {cpu.model} ({cpu.arch}); ISA: {cpu.isa_summary}; torch threads {torch.get_num_threads()}; "
           f"target on {target.compute_label}")
     drafter = load_drafter_for(target)
-    cases = {}
+    cases, variants = {}, a.variants.split(",")
     for m in a.methods.split(","):
-        for rows in ("dense", "lazy"):
+        for rows in variants:
             p = make_proposer(m, target, drafter)
-            getattr(p, "dflash", p).lazy_rows = rows == "lazy"
+            dflash = getattr(p, "dflash", p)
+            dflash.lazy_rows, dflash.trim_block = rows != "dense", rows == "lazy+trim"
             generate(m, target, target.encode_chat("Hello!"), 8, proposer=p)  # warm-up: one-off costs
             cases[(m, rows)] = p
-    totals = {k: {"tokens": 0, "s": 0.0, "draft_tree_s": 0.0, "drafted": 0} for k in cases}
+    totals = {k: {"tokens": 0, "s": 0.0, "draft_tree_s": 0.0, "drafted": 0, "rounds": 0} for k in cases}
     prompts = [p for ds in a.datasets.split(",") for p in load_prompts(ds, a.limit)]
     for prompt in tqdm(prompts, desc="prompts"):
         ids, first = target.encode_chat(prompt), None
@@ -54,14 +56,16 @@ def main():
             t["s"] += st.stats.total_s
             t["draft_tree_s"] += st.stats.draft_s + st.stats.tree_s
             t["drafted"] += st.stats.drafted_rounds
-    print("| method | head rows | tok/s | draft + tree ms per drafted round | vs dense |")
-    print("|---|---|---:|---:|---:|")
+            t["rounds"] += len(st.stats.accept_lengths)
+    print(f"| method | head rows | tok/s | τ | draft + tree ms per drafted round | vs {variants[0]} |")
+    print("|---|---|---:|---:|---:|---:|")
     for (m, rows), t in totals.items():
         per_round = t["draft_tree_s"] * 1e3 / max(t["drafted"], 1)
-        dense = totals[(m, "dense")]
+        dense = totals[(m, variants[0])]
         base = dense["draft_tree_s"] * 1e3 / max(dense["drafted"], 1)
-        t.update(tokens_per_s=t["tokens"] / t["s"], draft_tree_ms_per_drafted_round=per_round)
-        print(f"| {m} | {rows} | {t['tokens_per_s']:.1f} | {per_round:.2f} | {per_round / base:.2f}x |")
+        t.update(tokens_per_s=t["tokens"] / t["s"], draft_tree_ms_per_drafted_round=per_round,
+                 tau=t["tokens"] / max(t["rounds"], 1))
+        print(f"| {m} | {rows} | {t['tokens_per_s']:.1f} | {t['tau']:.2f} | {per_round:.2f} | {per_round / base:.2f}x |")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"cpu": cpu.model, "isa": cpu.isa_summary, "threads": torch.get_num_threads(),

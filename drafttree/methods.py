@@ -78,8 +78,9 @@ def cost_model_path(target: Target) -> Path:
             f"{name}-{target.compute_path}{isa}-t{torch.get_num_threads()}-v{COST_MODEL_VERSION}.json")
 
 
-# 2: the draft cost is a CaDDTree round's (its depth cap, the first lazy chunk of head rows), not a 15-deep chain's
-COST_MODEL_VERSION = 2
+# 2: the draft cost is a CaDDTree round's (its depth cap, the first lazy chunk of head rows), not a 15-deep chain's;
+# 3: and its drafter block stops at the depth cap
+COST_MODEL_VERSION = 3
 
 
 def load_or_profile_cost_model(target: Target, drafter, quiet: bool = False):

@@ -22,7 +22,7 @@ QUICK_CONTEXTS = (128, 1024)
 
 
 def draft_cost_proposer(drafter, model):
-    """The proposer whose round is C_d: CaDDTree's depth cap, head rows computed lazily, so a measured round pays
+    """The proposer whose round is C_d: CaDDTree's depth cap (the drafter's block trimmed to it), head rows computed lazily, so a measured round pays
     the drafter's layers and the first chunk of rows, what every CaDDTree round pays (deeper chunks are paid by
     the rounds that reach them; caddtree-online's recalibration sees their mean)."""
     from .proposers import CostAwarePolicy, DFlashProposer

@@ -133,3 +133,22 @@ def test_lazy_rows_decode_as_dense_rows(tiny_checkpoint, method):
         assert runs[0].stats.accept_lengths == runs[1].stats.accept_lengths
         assert runs[0].stats.tree_sizes == runs[1].stats.tree_sizes
         assert not math.isnan(runs[1].stats.tau)
+
+
+def test_cost_aware_blocks_stop_at_the_depth_cap(tiny_checkpoint):
+    """CaDDTree runs the drafter over the root and one mask per depth it can place (not the whole trained block);
+    fixed-budget trees keep the whole block; both stay lossless."""
+    target, drafter = kernel_target_and_drafter(tiny_checkpoint[0])  # block of 8 rows
+    cost = VerifyCostModel(context_lens=[0], curves=[ConvexCost([1, 8, 64], [1.0, 1.3, 4.0])], draft_ms=0.5)
+    rows_seen = []
+    draft_rows = drafter.draft_rows
+    drafter.draft_rows = lambda ctx, block, start: rows_seen.append(block.shape[0]) or draft_rows(ctx, block, start)
+    for policy, rows in ((CostAwarePolicy(cost, max_tree_depth=3), 4), (BestFirstPolicy(6), 8)):
+        proposer = DFlashProposer(drafter, target.model, policy)
+        assert proposer.block_rows == rows
+        for ids in prompts(2, target.model.config.vocab_size, seed=5):
+            rows_seen.clear()
+            res = generate_speculative(target, ids, proposer, 24, stop_token_ids=())
+            assert res.tokens == generate_ar(target, ids, 24, stop_token_ids=()).tokens
+            assert rows_seen and set(rows_seen) == {rows}
+    assert DFlashProposer(drafter, target.model, CostAwarePolicy(cost, max_tree_depth=3), trim_block=False).block_rows == 8

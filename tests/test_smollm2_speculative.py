@@ -16,10 +16,10 @@ def cpu_like_cost_model() -> VerifyCostModel:
     return VerifyCostModel(context_lens=(0,), curves=(curve,), draft_ms=8.0)
 
 
-@pytest.mark.parametrize("make_policy", [ChainPolicy, lambda: BestFirstPolicy(4), lambda: BestFirstPolicy(32),
-                                         lambda: BestFirstPolicy(64), lambda: CostAwarePolicy(cpu_like_cost_model()),
+@pytest.mark.parametrize("make_policy", [ChainPolicy, lambda: BestFirstPolicy(4), lambda: BestFirstPolicy(64),
+                                         lambda: CostAwarePolicy(cpu_like_cost_model()),
                                          lambda: CostAwarePolicy(cpu_like_cost_model(), recalibrate=True)],
-                         ids=["chain", "ddtree4", "ddtree32", "ddtree64", "caddtree", "caddtree-online"])
+                         ids=["chain", "ddtree4", "ddtree64", "caddtree", "caddtree-online"])
 def test_speculative_greedy_equals_ar(smollm2, ar_outputs, make_policy):
     target, _ = smollm2
     proposer = DFlashProposer(load_drafter_for(target), target.model, make_policy())

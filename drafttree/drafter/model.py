@@ -200,11 +200,15 @@ class DFlashDrafter(nn.Module):
             return self.mask_embedding
         return _embed(embed, torch.tensor([self.config.mask_token_id]))[0]
 
-    def block_embeds(self, token: int | torch.Tensor, embed: Embed) -> torch.Tensor:
-        """[B, H] inputs of one block: the last committed token, then B-1 mask vectors."""
+    def block_embeds(self, token: int | torch.Tensor, embed: Embed, rows: int | None = None) -> torch.Tensor:
+        """[R, H] inputs of one block: the last committed token, then R-1 mask vectors (R = rows, at most the
+        block size it was trained with; fewer rows draft fewer depths for less work)."""
+        rows = self.config.block_size if rows is None else rows
+        if not 2 <= rows <= self.config.block_size:
+            raise ValueError(f"a block has 2..{self.config.block_size} rows (root + masks), got {rows}")
         tok = _embed(embed, torch.as_tensor(token, dtype=torch.long).view(1))
         mask = self.mask_vector(embed).to(tok.dtype)
-        return torch.cat([tok, mask.expand(self.config.block_size - 1, -1)])
+        return torch.cat([tok, mask.expand(rows - 1, -1)])
 
     # ---- inference: a request's incremental context (DraftContext) ---------------------------
     def new_context(self, capacity: int = 256) -> "DraftContext":
