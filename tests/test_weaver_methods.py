@@ -9,6 +9,7 @@ from drafttree.engine import generate_ar, generate_speculative
 from drafttree.load import load_target
 from drafttree.proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer
 from drafttree.weaver import Weaver, WeaverConfig, WeaverProposer
+from drafttree.weaver.tree import LookaheadWeaverStream, WeaverStream
 from spec_helpers import random_drafter_for
 
 
@@ -33,14 +34,17 @@ def prompts(n, vocab, seed=0):
     return [torch.randint(0, vocab, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g) for _ in range(n)]
 
 
-@pytest.mark.parametrize("method, width", [("ddtree", 1), ("ddtree", 4), ("caddtree", 8)])
-def test_greedy_equals_ar(tiny_checkpoint, method, width):
+@pytest.mark.parametrize("method, width, stream", [("ddtree", 1, WeaverStream), ("ddtree", 4, LookaheadWeaverStream),
+                                                   ("ddtree", 2, WeaverStream), ("caddtree", 8, LookaheadWeaverStream)])
+def test_greedy_equals_ar(tiny_checkpoint, method, width, stream):
+    """Every expansion: look-ahead, and the paper's pop-w steps, which fixed trees of >= 8 w nodes use."""
     path, _ = tiny_checkpoint
     target = load_target(str(path))
     drafter = random_drafter_for(target.model)
-    policy = BestFirstPolicy(12) if method == "ddtree" else CostAwarePolicy(synthetic_cost_model(), max_tree_nodes=24)
+    policy = BestFirstPolicy(8 * width if stream is WeaverStream else 12) if method == "ddtree" \
+        else CostAwarePolicy(synthetic_cost_model(), max_tree_nodes=24)
     proposer = WeaverProposer(drafter, target.model, weaver_for(target, drafter), policy, width, call_ms=0.3)
-    assert proposer.name == f"weaver-{method}"
+    assert proposer.name == f"weaver-{method}" and proposer.stream_class is stream
     for ids in prompts(2, target.model.config.vocab_size, seed=1):
         ar = generate_ar(target, ids, max_new_tokens=24, stop_token_ids=()).tokens
         res = generate_speculative(target, ids, proposer, max_new_tokens=24, stop_token_ids=())
@@ -114,11 +118,11 @@ def test_replay_of_the_weaver_stream_matches_real_rounds(tiny_checkpoint):
     weaver = weaver_for(target, drafter)
     cost = synthetic_cost_model()
     ids = prompts(1, target.model.config.vocab_size, seed=3)[0]
-    streams = record_draft_streams(target, WeaverProposer(drafter, target.model, weaver, BestFirstPolicy(16), 2), ids, 20,
-                                   16, stop_token_ids=())
+    streams = record_draft_streams(target, WeaverProposer(drafter, target.model, weaver, BestFirstPolicy(16), 2,
+                                                          lookahead=True), ids, 20, 16, stop_token_ids=())
     for budget in (4, 16):
-        real = generate_speculative(target, ids, WeaverProposer(drafter, target.model, weaver, BestFirstPolicy(budget), 2),
-                                    20, stop_token_ids=()).stats
+        real = generate_speculative(target, ids, WeaverProposer(drafter, target.model, weaver, BestFirstPolicy(budget), 2,
+                                                                lookahead=True), 20, stop_token_ids=()).stats
         rep = replay(streams, FixedBudget(budget), cost)
         assert rep.tree_sizes == real.tree_sizes and rep.accept_lengths[:-1] == real.accept_lengths[:-1]
 
