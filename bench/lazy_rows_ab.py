@@ -25,7 +25,7 @@ def main():
     ap.add_argument("--datasets", default="gsm8k,humaneval,mtbench")
     ap.add_argument("--limit", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--variants", default="dense,lazy", help="of dense, lazy, lazy+trim (the first is the baseline)")
+    ap.add_argument("--variants", default="dense,lazy", help="of dense, lazy, lazy+trim, lazy+chunkN, lazy+trim+chunkN (the first is the baseline)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     cpu = cpu_info()
@@ -38,7 +38,9 @@ def main():
         for rows in variants:
             p = make_proposer(m, target, drafter)
             dflash = getattr(p, "dflash", p)
-            dflash.lazy_rows, dflash.trim_block = rows != "dense", rows == "lazy+trim"
+            dflash.lazy_rows, dflash.trim_block = rows != "dense", "+trim" in rows
+            if "+chunk" in rows:  # the first lazy chunk's head rows, e.g. lazy+trim+chunk4
+                dflash.first_chunk = int(rows.rsplit("+chunk", 1)[1])
             generate(m, target, target.encode_chat("Hello!"), 8, proposer=p)  # warm-up: one-off costs
             cases[(m, rows)] = p
     totals = {k: {"tokens": 0, "s": 0.0, "draft_tree_s": 0.0, "drafted": 0, "rounds": 0} for k in cases}

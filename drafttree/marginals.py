@@ -3,7 +3,7 @@
 Row d of a DFlash round's logits is depth d+1's marginal. A tree rarely reaches the deepest rows the
 drafter could score: CaDDTree on a small CPU stops at 2-4 nodes most rounds, yet the LM-head rows of
 all depths (compute-bound from two rows on) and the last draft layer's row-wise tail were paid every
-round. `LazyDraftScores` computes rows in doubling chunks (2, 2, 4, 8, ...) as the tree builders
+round. `LazyDraftScores` computes rows in doubling chunks (4, 4, 8, ...) as the tree builders
 (tree.best_first_nodes, lookup.merge) first ask for them; on the batch-invariant kernel paths a row's
 values do not depend on the chunk it was computed in, so the trees are those of the dense scores.
 A plain [D, V] tensor of logits is the dense form; `log_marginals` and `dense_logits` accept both.
@@ -15,7 +15,10 @@ from typing import Callable
 
 import torch
 
-FIRST_CHUNK = 2  # one row costs nearly what two do (the head's weights stream once per call)
+# Up to a few rows a head call costs about one pass over its weights (21 MB of int8 for 36,864 ids), mostly from
+# memory: on a Zen 3 (AVX2) 2 / 4 rows cost 1.07 / 1.45 ms warm, and in decoding a first chunk of 4 made CaDDTree's
+# draft + tree 0.94x that of 2 (44 % of its rounds read depth 3 or 4; bench/lazy_rows_ab.py).
+FIRST_CHUNK = 4
 
 
 class LazyDraftScores:
@@ -36,7 +39,7 @@ class LazyDraftScores:
         return self.depth_count, self.vocab_size
 
     def _grow(self, b: int | None = None) -> None:
-        """Compute the next chunk: rows computed..b-1, by default doubling (2, 2, 4, 8, ...)."""
+        """Compute the next chunk: rows computed..b-1, by default doubling (first_chunk, first_chunk, 2 first_chunk, ...)."""
         a = self.computed
         if b is None:
             b = min(self.depth_count, a + max(self.first_chunk, a))

@@ -79,7 +79,7 @@ def cost_model_path(target: Target) -> Path:
 
 
 # 2: the draft cost is a CaDDTree round's (its depth cap, the first lazy chunk of head rows), not a 15-deep chain's;
-# 3: and its drafter block stops at the depth cap
+# 3: its drafter block stops at the depth cap and its first lazy chunk of head rows is 4 rows
 COST_MODEL_VERSION = 3
 
 

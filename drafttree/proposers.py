@@ -12,7 +12,7 @@ import torch
 from .costmodel import VerifyCostModel, build_caddtree
 from .draft_gate import DraftGate, GateMemory
 from .drafter.model import DraftContext
-from .marginals import LazyDraftScores, dense_logits, log_marginals
+from .marginals import FIRST_CHUNK, LazyDraftScores, dense_logits, log_marginals
 from .model.linear import head_rows_source
 from .protocols import Clock
 from .recalibrate import RoundCalibrator
@@ -167,6 +167,7 @@ class DFlashProposer:
         self.drafter, self.model, self.policy, self.gate, self.lazy_rows = drafter, target_model, policy, gate, lazy_rows
         # the block's rows stop at the deepest depth the policy can place (None: as the policy prefers)
         self.trim_block = getattr(policy, "trim_block", False) if trim_block is None else trim_block
+        self.first_chunk = FIRST_CHUNK  # head rows of a round's first lazy chunk
         self.capture_layers = tuple(drafter.config.target_layer_ids)
         self.depth = drafter.config.block_size - 1
         self.max_nodes = policy.max_nodes(self.depth)
@@ -207,7 +208,7 @@ class DFlashProposer:
             return self.drafter.draft_scores(rows.rows(1, 1 + depth), self.lm_head)
         # block row i scores depth i: the head and the last layer's tail run for the depths the tree reaches
         return LazyDraftScores(lambda a, b: self.drafter.draft_scores(rows.rows(1 + a, 1 + b), self.lm_head),
-                               depth, self.vocab_size)
+                               depth, self.vocab_size, self.first_chunk)
 
     @property
     def block_rows(self) -> int:

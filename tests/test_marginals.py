@@ -18,13 +18,13 @@ from spec_helpers import random_drafter_for
 from test_speculative import prompts
 
 
-def lazy_of(logits: torch.Tensor, calls: list | None = None) -> LazyDraftScores:
+def lazy_of(logits: torch.Tensor, calls: list | None = None, first_chunk: int = 2) -> LazyDraftScores:
     def compute(a, b):
         if calls is not None:
             calls.append((a, b))
         return logits[a:b]
 
-    return LazyDraftScores(compute, *logits.shape)
+    return LazyDraftScores(compute, *logits.shape, first_chunk=first_chunk)
 
 
 def peaked_logits(depth, vocab, seed, ties=False):
@@ -57,6 +57,9 @@ def test_rows_the_search_does_not_reach_are_not_computed():
     assert len(list(best_first_nodes(scores, 12))) == 12
     assert calls == [(0, 2), (2, 4), (4, 8), (8, 12)]  # doubling chunks
     assert torch.equal(scores.dense(), logits)
+    calls.clear()
+    list(best_first_nodes(LazyDraftScores(lambda a, b: calls.append((a, b)) or logits[a:b], *logits.shape), 12))
+    assert calls == [(0, 4), (4, 8), (8, 12)]  # the default first chunk: 4 rows
 
 
 def test_lazy_caddtree_is_the_dense_one():
