@@ -22,9 +22,9 @@ QUICK_CONTEXTS = (128, 1024)
 
 
 def draft_cost_proposer(drafter, model):
-    """The proposer whose round is C_d: CaDDTree's depth cap (the drafter's block trimmed to it), head rows computed lazily, so a measured round pays
-    the drafter's layers and the first chunk of rows, what every CaDDTree round pays (deeper chunks are paid by
-    the rounds that reach them; caddtree-online's recalibration sees their mean)."""
+    """The proposer whose round is C_d: CaDDTree's depth cap (the drafter's block trimmed to it), head rows computed
+    lazily, so a measured round pays the drafter's layers and the first chunk of rows, what every CaDDTree round
+    pays (deeper chunks are paid by the rounds that reach them; caddtree-online's recalibration sees their mean)."""
     from .proposers import CostAwarePolicy, DFlashProposer
 
     policy = CostAwarePolicy(cost_model=None)  # only its depth cap: no tree is built here

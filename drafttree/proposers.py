@@ -213,7 +213,7 @@ class DFlashProposer:
     @property
     def block_rows(self) -> int:
         """Rows of the drafter's block: the root and a mask per depth; all the trained ones unless trimmed."""
-        return 1 + self.draft_depth if self.trim_block else self.drafter.config.block_size
+        return max(2, 1 + self.draft_depth) if self.trim_block else self.drafter.config.block_size
 
     def _gate_drafts(self, state: DFlashState) -> bool:
         now = self._end_gated_round(state)
