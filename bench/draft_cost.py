@@ -17,6 +17,7 @@ from drafttree.compute import cpu_info
 from drafttree.engine import Sequence
 from drafttree.load import load_target
 from drafttree.methods import load_drafter_for, make_proposer
+from lazy_rows_ab import apply_variant
 
 VARIANTS = ("dense", "lazy", "lazy+trim")
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and two tests."
@@ -30,7 +31,7 @@ def round_parts(target, proposer, steps: int = 4) -> dict:
         seq.step()
     state, root, start = seq.draft_state, seq.root, len(seq.prompt) + len(seq.tokens) - 1
     d = proposer.drafter
-    block = d.block_embeds(root, target.model.embed, proposer.block_rows)
+    block = proposer.block_embeds(root)
     hidden = d.draft(state.context, block, start)[1:1 + proposer.draft_depth]
     scores = d.draft_scores(hidden, proposer.lm_head)
     return {
@@ -63,7 +64,7 @@ def main():
         for m in methods:
             for rows in VARIANTS:
                 proposer = make_proposer(m, target, drafter, budget=16)
-                proposer.lazy_rows, proposer.trim_block = rows != "dense", rows == "lazy+trim"
+                apply_variant(proposer, rows)
                 cases[(path, m, rows)] = round_parts(target, proposer)
     times = {key: {part: [] for part in parts} for key, parts in cases.items()}
     for _ in range(a.repeats):  # interleaved: every case sees the same machine state

@@ -17,6 +17,20 @@ from drafttree.load import load_target
 from drafttree.methods import generate, load_drafter_for, make_proposer
 
 
+def apply_variant(proposer, variant: str) -> None:
+    """Set a DFlashProposer's draft rows from a variant name: `dense` (every head row at once, the whole block) or
+    `lazy` with optional `+trim` (the block stops at the policy's depth cap) and `+chunkN` (N head rows first)."""
+    kind, *options = variant.split("+")
+    if kind not in ("dense", "lazy") or (kind == "dense" and options):
+        raise SystemExit(f"unknown variant {variant!r}: dense, or lazy[+trim][+chunkN]")
+    proposer.lazy_rows, proposer.trim_block = kind == "lazy", "trim" in options
+    for option in options:
+        if option.startswith("chunk"):
+            proposer.first_chunk = int(option.removeprefix("chunk"))
+        elif option != "trim":
+            raise SystemExit(f"unknown option {option!r} in variant {variant!r}: trim or chunkN")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -37,10 +51,7 @@ def main():
     for m in a.methods.split(","):
         for rows in variants:
             p = make_proposer(m, target, drafter)
-            dflash = getattr(p, "dflash", p)
-            dflash.lazy_rows, dflash.trim_block = rows != "dense", "+trim" in rows
-            if "+chunk" in rows:  # the first lazy chunk's head rows, e.g. lazy+trim+chunk4
-                dflash.first_chunk = int(rows.rsplit("+chunk", 1)[1])
+            apply_variant(getattr(p, "dflash", p), rows)
             generate(m, target, target.encode_chat("Hello!"), 8, proposer=p)  # warm-up: one-off costs
             cases[(m, rows)] = p
     totals = {k: {"tokens": 0, "s": 0.0, "draft_tree_s": 0.0, "drafted": 0, "rounds": 0} for k in cases}

@@ -201,8 +201,7 @@ class DFlashProposer:
             self.drafter.extend_context(state.context, feats,
                                         torch.arange(state.deferred_start, state.deferred_start + feats.shape[0]))
             state.deferred = []
-        rows = self.drafter.draft_rows(state.context, self.drafter.block_embeds(root, self.model.embed, self.block_rows),
-                                       start)
+        rows = self.drafter.draft_rows(state.context, self.block_embeds(root), start)
         depth = min(self.draft_depth, rows.count - 1)
         if not self.lazy_rows:
             return self.drafter.draft_scores(rows.rows(1, 1 + depth), self.lm_head)
@@ -214,6 +213,10 @@ class DFlashProposer:
     def block_rows(self) -> int:
         """Rows of the drafter's block: the root and a mask per depth; all the trained ones unless trimmed."""
         return max(2, 1 + self.draft_depth) if self.trim_block else self.drafter.config.block_size
+
+    def block_embeds(self, root: int) -> torch.Tensor:
+        """[block_rows, H] the drafter's input for a round rooted at `root`."""
+        return self.drafter.block_embeds(root, self.model.embed, self.block_rows)
 
     def _gate_drafts(self, state: DFlashState) -> bool:
         now = self._end_gated_round(state)

@@ -64,7 +64,7 @@ class WeaverProposer:
 
     def draft(self, state, root: int, start: int) -> WeaverDraft:
         d = self.drafter
-        hidden = d.draft(state.context, d.block_embeds(root, self.model.embed, self.inner.block_rows), start)[1:1 + self.draft_depth]
+        hidden = d.draft(state.context, self.inner.block_embeds(root), start)[1:1 + self.draft_depth]
         if hasattr(d, "draft_scores"):  # columns over the draft vocabulary (all ids when it is not reduced)
             return WeaverDraft(d.draft_scores(hidden, self.inner.lm_head), hidden, d.draft_token_ids)
         return WeaverDraft(d.draft_logits(hidden, self.inner.lm_head), hidden)
