@@ -41,10 +41,9 @@ class DraftTree:
     path_logprobs: torch.Tensor  # FloatTensor[n]; cumulative along the path (root 0)
 
     def __post_init__(self):
-        _check_tree_tensors(self.tokens, self.parents, self.depths, self.logprobs, self.path_logprobs)
         # Python lists: the walk and the child maps touch single elements, which is slow on tensors.
-        self._parent_list: list[int] = self.parents.tolist()
-        self._token_list: list[int] = self.tokens.tolist()
+        self._parent_list, self._token_list = _check_tree_tensors(self.tokens, self.parents, self.depths,
+                                                                  self.logprobs, self.path_logprobs)
         child_maps: list[dict[int, int]] = [{} for _ in self._parent_list]
         for i in range(1, len(self._parent_list)):
             siblings = child_maps[self._parent_list[i]]
@@ -414,8 +413,10 @@ def _check_parent_list(plist: list[int]) -> None:
             raise ValueError(f"parent must precede child: node {i} has parent {plist[i]} (need 0 <= parent < {i})")
 
 
-def _check_tree_tensors(tokens, parents, depths, logprobs, path_logprobs) -> None:
-    n = tokens.numel()
+def _check_tree_tensors(tokens, parents, depths, logprobs, path_logprobs) -> tuple[list[int], list[int]]:
+    """Validate a tree's tensors; returns (parents, tokens) as lists. The structure is checked on Python lists:
+    for the few-node trees of a CPU round, element-wise tensor ops cost more than the loop."""
+    n = tokens.numel() if isinstance(tokens, torch.Tensor) else -1
     for name, t in (("tokens", tokens), ("parents", parents), ("depths", depths),
                     ("logprobs", logprobs), ("path_logprobs", path_logprobs)):
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != n:
@@ -425,20 +426,18 @@ def _check_tree_tensors(tokens, parents, depths, logprobs, path_logprobs) -> Non
     for name, t in (("tokens", tokens), ("parents", parents), ("depths", depths)):
         if t.dtype != torch.long:
             raise TypeError(f"{name} must be a LongTensor, got {t.dtype}")
-    if int(parents[0]) != -1 or int(depths[0]) != 0:
+    plist, dlist, tlist = parents.tolist(), depths.tolist(), tokens.tolist()
+    if plist[0] != -1 or dlist[0] != 0:
         raise ValueError("node 0 is the root: parents[0] must be -1 and depths[0] must be 0")
-    if n > 1:
-        p = parents[1:]
-        bad = (p < 0) | (p >= torch.arange(1, n))
-        if bad.any():
-            i = int(bad.nonzero()[0]) + 1
-            raise ValueError(f"parent must precede child: node {i} has parent {int(parents[i])} (need 0 <= parent < {i})")
-        wrong = depths[1:] != depths[p] + 1
-        if wrong.any():
-            i = int(wrong.nonzero()[0]) + 1
-            raise ValueError(f"depths[{i}] = {int(depths[i])} but its parent {int(parents[i])} has depth {int(depths[p[i - 1]])}")
-    if (tokens < 0).any():
+    for i in range(1, n):
+        p = plist[i]
+        if not 0 <= p < i:
+            raise ValueError(f"parent must precede child: node {i} has parent {p} (need 0 <= parent < {i})")
+        if dlist[i] != dlist[p] + 1:
+            raise ValueError(f"depths[{i}] = {dlist[i]} but its parent {p} has depth {dlist[p]}")
+    if min(tlist) < 0:
         raise ValueError("token ids must be >= 0")
+    return plist, tlist
 
 
 def iter_tree_nodes(tree: DraftTree) -> Iterable[TreeNode]:

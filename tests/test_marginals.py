@@ -122,6 +122,21 @@ def test_block_rows_are_the_drafted_rows_bit_for_bit(tiny_checkpoint):
     assert torch.equal(torch.cat([rows.rows(0, 1), rows.rows(1, 3), rows.rows(3, 8)]), full)
 
 
+def test_fused_context_kv_is_the_per_layer_kv_bit_for_bit(tiny_checkpoint):
+    """Every layer's context k/v from one matmul (DFlashDrafter.context_kv) equal the per-layer projections exactly
+    on the kernel paths, whose output columns do not depend on the columns beside them."""
+    _, d = kernel_target_and_drafter(tiny_checkpoint[0])
+    feats, contexts = torch.randn(11, d.config.context_dim), []
+    for fused in (d.context_kv, None):
+        d.context_kv = fused
+        ctx = d.new_context()
+        d.extend_context(ctx, feats[:9], torch.arange(9))
+        d.extend_context(ctx, feats[9:], torch.arange(9, 11))
+        contexts.append(ctx)
+    assert torch.equal(contexts[0].k[:, :, :11], contexts[1].k[:, :, :11])
+    assert torch.equal(contexts[0].v[:, :, :11], contexts[1].v[:, :, :11])
+
+
 @pytest.mark.parametrize("method", ["ddtree", "caddtree"])
 def test_lazy_rows_decode_as_dense_rows(tiny_checkpoint, method):
     """The proposer's lazy rows build the dense rows' trees (same accept lengths) and stay lossless."""

@@ -174,6 +174,7 @@ class DFlashDrafter(nn.Module):
             # target token ids the reduced head scores (sorted); a buffer so it is saved and moved with the model
             self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size, dtype=torch.long))
         self.rotary = RotaryTable(config.head_dim, config.rope_theta, config.max_position_embeddings)
+        self.context_kv: nn.Linear | None = None  # set by fuse_projections: every layer's context k/v in one matmul
         self._head_cache: tuple | None = None
         self.reset_parameters()
 
@@ -224,10 +225,18 @@ class DFlashDrafter(nn.Module):
         fused = self.fuse_context(features)
         cos, sin = self._rope(positions, fused.dtype)
         end = ctx.length + n
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.keys_values(fused, cos, sin)
-            ctx.k[i, :, ctx.length:end] = k
-            ctx.v[i, :, ctx.length:end] = v
+        if self.context_kv is not None:  # all layers read the same context vectors: one matmul for their k/v
+            kv, d = self.config.num_key_value_heads, self.config.head_dim
+            per_layer = self.context_kv(fused).view(n, len(self.layers), 2, kv, d).unbind(1)
+            for i, (layer, kvs) in enumerate(zip(self.layers, per_layer)):
+                k = layer.self_attn.k_norm(kvs[:, 0]).transpose(0, 1)
+                ctx.k[i, :, ctx.length:end] = apply_rotary(k, cos, sin)
+                ctx.v[i, :, ctx.length:end] = kvs[:, 1].transpose(0, 1)
+        else:
+            for i, layer in enumerate(self.layers):
+                k, v = layer.self_attn.keys_values(fused, cos, sin)
+                ctx.k[i, :, ctx.length:end] = k
+                ctx.v[i, :, ctx.length:end] = v
         ctx.length = end
 
     @torch.no_grad()
@@ -319,16 +328,20 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def fuse_projections(self) -> "DFlashDrafter":
-        """q/k/v and gate/up as one matmul each on the drafting hot path (the separate layers stay for
-        training and the context update); done before quantizing, from the float weights."""
+        """q/k/v and gate/up as one matmul each on the drafting hot path, and every layer's context k/v as one
+        (the separate layers stay for training); done before quantizing, from the float weights."""
+        def fused(parts) -> nn.Linear:
+            w = torch.cat([p.weight for p in parts])
+            lin = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype, device=w.device)
+            lin.weight.copy_(w)
+            return lin
+
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            for owner, name, parts in ((attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj)),
-                                       (mlp, "gate_up", (mlp.gate_proj, mlp.up_proj))):
-                w = torch.cat([p.weight for p in parts])
-                fused = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype, device=w.device)
-                fused.weight.copy_(w)
-                setattr(owner, name, fused)
+            attn.qkv = fused((attn.q_proj, attn.k_proj, attn.v_proj))
+            mlp.gate_up = fused((mlp.gate_proj, mlp.up_proj))
+        if self.layers:
+            self.context_kv = fused([p for layer in self.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)])
         return self
 
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
