@@ -19,19 +19,20 @@ from drafttree.methods import generate, load_drafter_for, make_proposer
 
 def apply_variant(proposer, variant: str) -> None:
     """Set a DFlashProposer's draft rows from a variant name: `dense` (every head row at once, the whole block) or
-    `lazy` with optional `+trim` (the block stops at the policy's depth cap), `+chunkN` (N head rows first) and
-    `+depthN` (the depth cap lowered to N)."""
+    `lazy` with optional `+trim` (the block stops at the policy's depth cap), `+follow` (trimmed, and one depth past
+    the last tree's: DFlashProposer.follow), `+chunkN` (N head rows first) and `+depthN` (the depth cap lowered to N)."""
     kind, *options = variant.split("+")
     if kind not in ("dense", "lazy") or (kind == "dense" and options):
-        raise SystemExit(f"unknown variant {variant!r}: dense, or lazy[+trim][+chunkN][+depthN]")
-    proposer.lazy_rows, proposer.trim_block = kind == "lazy", "trim" in options
+        raise SystemExit(f"unknown variant {variant!r}: dense, or lazy[+trim][+follow][+chunkN][+depthN]")
+    proposer.lazy_rows, proposer.trim_block = kind == "lazy", "trim" in options or "follow" in options
+    proposer.follow_depth = "follow" in options
     for option in options:
         if option.startswith("chunk"):
             proposer.first_chunk = int(option.removeprefix("chunk"))
         elif option.startswith("depth"):
             proposer.draft_depth = min(proposer.draft_depth, int(option.removeprefix("depth")))
-        elif option != "trim":
-            raise SystemExit(f"unknown option {option!r} in variant {variant!r}: trim, chunkN or depthN")
+        elif option not in ("trim", "follow"):
+            raise SystemExit(f"unknown option {option!r} in variant {variant!r}: trim, follow, chunkN or depthN")
 
 
 def main():
@@ -42,7 +43,7 @@ def main():
     ap.add_argument("--datasets", default="gsm8k,humaneval,mtbench")
     ap.add_argument("--limit", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--variants", default="dense,lazy", help="of dense, lazy, lazy+trim, lazy+chunkN, lazy+trim+chunkN+depthN (the first is the baseline)")
+    ap.add_argument("--variants", default="dense,lazy", help="of dense, lazy, lazy+trim, lazy+follow, lazy+chunkN, lazy+trim+chunkN+depthN (the first is the baseline)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     cpu = cpu_info()

@@ -88,6 +88,8 @@ class CostAwarePolicy:
     max_tree_depth: int = 8  # deeper nodes' path probabilities rarely pay for the head rows they need on CPU
     # nor for the drafter's rows: its block stops at the cap (measured on Zen 3: layers 4.0 -> 2.9 ms, τ -2 %)
     trim_block = True
+    # follow_depth: and follows the request's trees (DFlashProposer.follow)
+    follow_depth = False
     name = "caddtree"
 
     def __post_init__(self):
@@ -150,6 +152,7 @@ class DFlashState:
     deferred: list = field(default_factory=list)  # features of undrafted rounds, added to the context when drafting resumes
     deferred_start: int = 0
     drafting: bool = True  # whether the round in flight ran the drafter (False: a plain round, or a lookup-only tree)
+    depth_cap: int | None = None  # deepest depth this round drafts (follow_depth; None: the proposer's draft_depth)
 
     @property
     def nbytes(self) -> int:
@@ -168,6 +171,8 @@ class DFlashProposer:
         # the block's rows stop at the deepest depth the policy can place (None: as the policy prefers)
         self.trim_block = getattr(policy, "trim_block", False) if trim_block is None else trim_block
         self.first_chunk = FIRST_CHUNK  # head rows of a round's first lazy chunk
+        # a trimmed block follows the request's trees: one depth past the last tree's deepest node, at least a chunk
+        self.follow_depth = self.trim_block and getattr(policy, "follow_depth", False)
         self.capture_layers = tuple(drafter.config.target_layer_ids)
         self.depth = drafter.config.block_size - 1
         self.max_nodes = policy.max_nodes(self.depth)
@@ -201,22 +206,24 @@ class DFlashProposer:
             self.drafter.extend_context(state.context, feats,
                                         torch.arange(state.deferred_start, state.deferred_start + feats.shape[0]))
             state.deferred = []
-        rows = self.drafter.draft_rows(state.context, self.block_embeds(root), start)
-        depth = min(self.draft_depth, rows.count - 1)
+        cap = state.depth_cap if self.follow_depth and state.depth_cap is not None else self.draft_depth
+        rows = self.drafter.draft_rows(state.context, self.block_embeds(root, cap), start)
+        depth = min(cap, rows.count - 1)
         if not self.lazy_rows:
             return self.drafter.draft_scores(rows.rows(1, 1 + depth), self.lm_head)
         # block row i scores depth i: the head and the last layer's tail run for the depths the tree reaches
         return LazyDraftScores(lambda a, b: self.drafter.draft_scores(rows.rows(1 + a, 1 + b), self.lm_head),
                                depth, self.vocab_size, self.first_chunk)
 
-    @property
-    def block_rows(self) -> int:
-        """Rows of the drafter's block: the root and a mask per depth; all the trained ones unless trimmed."""
-        return max(2, 1 + self.draft_depth) if self.trim_block else self.drafter.config.block_size
+    def block_rows(self, depth: int | None = None) -> int:
+        """Rows of the drafter's block: the root and a mask per depth (default draft_depth); all the trained ones
+        unless trimmed."""
+        depth = self.draft_depth if depth is None else depth
+        return max(2, 1 + depth) if self.trim_block else self.drafter.config.block_size
 
-    def block_embeds(self, root: int) -> torch.Tensor:
-        """[block_rows, H] the drafter's input for a round rooted at `root`."""
-        return self.drafter.block_embeds(root, self.model.embed, self.block_rows)
+    def block_embeds(self, root: int, depth: int | None = None) -> torch.Tensor:
+        """[block_rows(depth), H] the drafter's input for a round rooted at `root`."""
+        return self.drafter.block_embeds(root, self.model.embed, self.block_rows(depth))
 
     def _gate_drafts(self, state: DFlashState) -> bool:
         now = self._end_gated_round(state)
@@ -237,7 +244,15 @@ class DFlashProposer:
     def build_tree(self, state: DFlashState, root: int, logits: torch.Tensor | None, start: int) -> DraftTree:
         if logits is None:
             return DraftTree.from_parents([root], [-1])
-        return self.policy.build(state.policy, root, logits, start, self.draft_token_ids)
+        tree = self.policy.build(state.policy, root, logits, start, self.draft_token_ids)
+        self.follow(state, int(tree.depths.max()))
+        return tree
+
+    def follow(self, state: DFlashState, deepest: int) -> None:
+        """With follow_depth, the next round drafts one depth past this round's deepest drafted node (at least a
+        chunk of head rows, at most draft_depth): most CPU trees stay a few nodes deep, and block rows cost work."""
+        if self.follow_depth:
+            state.depth_cap = min(self.draft_depth, max(self.first_chunk, deepest + 1))
 
     def advance(self, state: DFlashState, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor,
                 start: int) -> None:

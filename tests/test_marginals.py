@@ -153,6 +153,28 @@ def test_lazy_rows_decode_as_dense_rows(tiny_checkpoint, method):
         assert not math.isnan(runs[1].stats.tau)
 
 
+def test_cost_aware_blocks_follow_the_trees_depth(tiny_checkpoint):
+    """With the policy's follow_depth a round's block stops one depth past the previous tree's deepest node (at least the first
+    chunk of head rows, at most the depth cap); the first round drafts to the cap; output = AR's."""
+    target, drafter = kernel_target_and_drafter(tiny_checkpoint[0])  # block of 8 rows: depths 1..7
+    cost = VerifyCostModel(context_lens=[0], curves=[ConvexCost([1, 8, 64], [1.0, 1.05, 1.5])], draft_ms=0.5)
+    policy = CostAwarePolicy(cost)
+    policy.follow_depth = True
+    proposer = DFlashProposer(drafter, target.model, policy)
+    proposer.first_chunk = 2
+    assert proposer.follow_depth and proposer.draft_depth == 7
+    rows_seen, depths = [], []
+    draft_rows, build_tree = drafter.draft_rows, proposer.build_tree
+    drafter.draft_rows = lambda ctx, block, start: rows_seen.append(block.shape[0]) or draft_rows(ctx, block, start)
+    proposer.build_tree = lambda *a: depths.append(int((t := build_tree(*a)).depths.max())) or t
+    for ids in prompts(2, target.model.config.vocab_size, seed=6):
+        rows_seen.clear(), depths.clear()
+        res = generate_speculative(target, ids, proposer, 24, stop_token_ids=())
+        assert res.tokens == generate_ar(target, ids, 24, stop_token_ids=()).tokens
+        assert rows_seen[0] == 8 and len(rows_seen) == len(depths)
+        assert rows_seen[1:] == [1 + min(7, max(2, d + 1)) for d in depths[:-1]]
+
+
 def test_cost_aware_blocks_stop_at_the_depth_cap(tiny_checkpoint):
     """CaDDTree runs the drafter over the root and one mask per depth it can place (not the whole trained block);
     fixed-budget trees keep the whole block; both stay lossless."""
@@ -163,10 +185,10 @@ def test_cost_aware_blocks_stop_at_the_depth_cap(tiny_checkpoint):
     drafter.draft_rows = lambda ctx, block, start: rows_seen.append(block.shape[0]) or draft_rows(ctx, block, start)
     for policy, rows in ((CostAwarePolicy(cost, max_tree_depth=3), 4), (BestFirstPolicy(6), 8)):
         proposer = DFlashProposer(drafter, target.model, policy)
-        assert proposer.block_rows == rows
+        assert proposer.block_rows() == rows
         for ids in prompts(2, target.model.config.vocab_size, seed=5):
             rows_seen.clear()
             res = generate_speculative(target, ids, proposer, 24, stop_token_ids=())
             assert res.tokens == generate_ar(target, ids, 24, stop_token_ids=()).tokens
             assert rows_seen and set(rows_seen) == {rows}
-    assert DFlashProposer(drafter, target.model, CostAwarePolicy(cost, max_tree_depth=3), trim_block=False).block_rows == 8
+    assert DFlashProposer(drafter, target.model, CostAwarePolicy(cost, max_tree_depth=3), trim_block=False).block_rows() == 8

@@ -237,6 +237,8 @@ class LookupDFlashProposer:
                 else:
                     state.extra_phi = a * state.extra_phi + (1 - a) * phi
                     state.extra_nodes = a * state.extra_nodes + (1 - a) * nodes
+        if marginals is not None:  # the next block's depth follows the nodes the drafter, not the lookup, placed
+            self.dflash.follow(state.dflash, max((n.depth for n in sel.nodes if n.lookup is None), default=0))
         if pstate is not None:
             # Φ as the drafter itself predicted it; where it has no row (deeper than its head, or skipped) the
             # lookup's prediction stands in, so that accepted copies there do not inflate the drafter's scale
