@@ -88,7 +88,8 @@ class CostAwarePolicy:
     max_tree_depth: int = 8  # deeper nodes' path probabilities rarely pay for the head rows they need on CPU
     # nor for the drafter's rows: its block stops at the cap (measured on Zen 3: layers 4.0 -> 2.9 ms, τ -2 %)
     trim_block = True
-    # follow_depth: and follows the request's trees (DFlashProposer.follow)
+    # opt-in: the block also follows the request's trees (DFlashProposer.follow; Zen 3, AVX2: draft + tree 0.91x,
+    # τ -0.5 %); off by default because replay (drafttree.bench.replay) needs drafts that depend only on the position
     follow_depth = False
     name = "caddtree"
 
@@ -245,7 +246,8 @@ class DFlashProposer:
         if logits is None:
             return DraftTree.from_parents([root], [-1])
         tree = self.policy.build(state.policy, root, logits, start, self.draft_token_ids)
-        self.follow(state, int(tree.depths.max()))
+        if self.follow_depth:
+            self.follow(state, int(tree.depths.max()))
         return tree
 
     def follow(self, state: DFlashState, deepest: int) -> None:

@@ -50,6 +50,26 @@ def test_methods_are_registered(tiny_checkpoint):
 
 
 
+def test_merged_tree_with_follow_depth_equals_ar(tiny_checkpoint):
+    """With the policy's follow_depth the drafter's block follows the depth of the nodes the drafter placed (the
+    lookup's deep copies do not widen it); the merged method's output is still AR's."""
+    from drafttree.methods import Decoder, generate
+
+    path, _ = tiny_checkpoint
+    target = load_target(str(path))
+    drafter = random_drafter_for(target.model)
+    decoder = Decoder(target, drafter=drafter, max_tree_nodes=24, cost_model=synthetic_cost_model())
+    proposer = decoder.proposer("lookup-caddtree")
+    proposer.dflash.follow_depth = True
+    rows = []
+    draft_rows = drafter.draft_rows
+    drafter.draft_rows = lambda ctx, block, start: rows.append(block.shape[0]) or draft_rows(ctx, block, start)
+    for ids in repetitive_prompts(target.model.config.vocab_size, n=2, seed=4):
+        ar = generate("ar", target, ids, 24, stop_token_ids=()).tokens
+        assert generate("lookup-caddtree", target, ids, 24, proposer=proposer, stop_token_ids=()).tokens == ar
+    assert rows and max(rows) <= 1 + proposer.dflash.draft_depth
+
+
 def test_bench_lists_the_copy_set():
     from drafttree.bench.methods import DEFAULT_DATASETS, parse_datasets
 

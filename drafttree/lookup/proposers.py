@@ -237,7 +237,7 @@ class LookupDFlashProposer:
                 else:
                     state.extra_phi = a * state.extra_phi + (1 - a) * phi
                     state.extra_nodes = a * state.extra_nodes + (1 - a) * nodes
-        if marginals is not None:  # the next block's depth follows the nodes the drafter, not the lookup, placed
+        if marginals is not None and self.dflash.follow_depth:  # the next block follows the drafter's nodes, not the lookup's
             self.dflash.follow(state.dflash, max((n.depth for n in sel.nodes if n.lookup is None), default=0))
         if pstate is not None:
             # Φ as the drafter itself predicted it; where it has no row (deeper than its head, or skipped) the
