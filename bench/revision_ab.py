@@ -1,6 +1,7 @@
 """Two revisions of drafttree side by side in one run: the working tree and a base commit (checked out once as
-a git worktree), each in its own worker process, decoding the same prompts with the same methods, alternating
-revision order per prompt so that the machine's drift hits both alike. Prints the CPU's ISA, tok/s, τ and the
+a git worktree under /tmp, kept for the next run so its kernels compile once), each in its own worker process,
+decoding the same prompts with the same methods, alternating revision order per prompt so that the machine's
+drift hits both alike. Prints the CPU's ISA, tok/s, τ and the
 draft / tree / verify ms per drafted round of each, the ratios to the base, and checks that both revisions
 emit the same tokens (greedy).
 
@@ -110,10 +111,12 @@ def main():
     base = next(iter(revs))
     print(f"| method | revision | tok/s | τ | draft ms | tree ms | verify ms per drafted round | draft + tree vs base |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
+    def draft_tree_ms(t: dict) -> float:  # per drafted round
+        return (t["draft_s"] + t["tree_s"]) * 1e3 / max(t["drafted"], 1)
+
     for (m, r), t in totals.items():
         per = {k: t[k] * 1e3 / max(t["drafted"], 1) for k in ("draft_s", "tree_s", "verify_s")}
-        b = totals[(m, base)]
-        ratio = (t["draft_s"] + t["tree_s"]) / max(b["draft_s"] + b["tree_s"], 1e-9) * max(b["drafted"], 1) / max(t["drafted"], 1)
+        ratio = draft_tree_ms(t) / max(draft_tree_ms(totals[(m, base)]), 1e-9)
         t.update(tokens_per_s=t["new_tokens"] / t["total_s"], tau=t["new_tokens"] / max(t["rounds"], 1),
                  draft_tree_vs_base=ratio, **{k.replace("_s", "_ms_per_drafted_round"): v for k, v in per.items()})
         print(f"| {m} | {r} | {t['tokens_per_s']:.1f} | {t['tau']:.2f} | {per['draft_s']:.2f} | {per['tree_s']:.2f} "

@@ -153,7 +153,7 @@ class DFlashState:
     deferred: list = field(default_factory=list)  # features of undrafted rounds, added to the context when drafting resumes
     deferred_start: int = 0
     drafting: bool = True  # whether the round in flight ran the drafter (False: a plain round, or a lookup-only tree)
-    depth_cap: int | None = None  # deepest depth this round drafts (follow_depth; None: the proposer's draft_depth)
+    depth_cap: int = 0  # deepest depth the next round drafts: the proposer's draft_depth unless follow_depth lowers it
 
     @property
     def nbytes(self) -> int:
@@ -188,7 +188,8 @@ class DFlashProposer:
     def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor, clock: Clock = time.perf_counter) -> DFlashState:
         """Drafter prefill: context K/V of the whole prompt."""
         state = DFlashState(self.drafter.new_context(prompt_features.shape[0] + self.drafter.config.block_size + 64),
-                            self.policy.new_state(clock), clock, DraftGate(memory=self.gate_memory) if self.gate else None)
+                            self.policy.new_state(clock), clock, DraftGate(memory=self.gate_memory) if self.gate else None,
+                            depth_cap=self.draft_depth)
         self.drafter.extend_context(state.context, prompt_features, torch.arange(prompt_features.shape[0]))
         return state
 
@@ -207,9 +208,8 @@ class DFlashProposer:
             self.drafter.extend_context(state.context, feats,
                                         torch.arange(state.deferred_start, state.deferred_start + feats.shape[0]))
             state.deferred = []
-        cap = state.depth_cap if self.follow_depth and state.depth_cap is not None else self.draft_depth
-        rows = self.drafter.draft_rows(state.context, self.block_embeds(root, cap), start)
-        depth = min(cap, rows.count - 1)
+        rows = self.drafter.draft_rows(state.context, self.block_embeds(root, state.depth_cap), start)
+        depth = min(state.depth_cap, rows.count - 1)
         if not self.lazy_rows:
             return self.drafter.draft_scores(rows.rows(1, 1 + depth), self.lm_head)
         # block row i scores depth i: the head and the last layer's tail run for the depths the tree reaches
@@ -251,10 +251,10 @@ class DFlashProposer:
         return tree
 
     def follow(self, state: DFlashState, deepest: int) -> None:
-        """With follow_depth, the next round drafts one depth past this round's deepest drafted node (at least a
-        chunk of head rows, at most draft_depth): most CPU trees stay a few nodes deep, and block rows cost work."""
-        if self.follow_depth:
-            state.depth_cap = min(self.draft_depth, max(self.first_chunk, deepest + 1))
+        """For follow_depth (its callers check it): the next round drafts one depth past this round's deepest drafted
+        node (at least a chunk of head rows, at most draft_depth): most CPU trees stay a few nodes deep, and block
+        rows cost work."""
+        state.depth_cap = min(self.draft_depth, max(self.first_chunk, deepest + 1))
 
     def advance(self, state: DFlashState, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor,
                 start: int) -> None:

@@ -122,8 +122,12 @@ class DraftAttention(nn.Module):
     # broadcast); heads come out as [..., heads, T, d].
     def keys_values(self, x, cos, sin):
         """k, v [..., kv_heads, T, d]; k is k-normed and RoPE'd (context and block alike)."""
-        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))).transpose(-3, -2)
-        v = self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
+        return self.kv_heads(self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def kv_heads(self, k, v, cos, sin):
+        """Projected k, v [..., T, kv_heads*d] -> [..., kv_heads, T, d], k normed and RoPE'd."""
+        k = self.k_norm(k.unflatten(-1, (self.n_kv, self.head_dim))).transpose(-3, -2)
+        v = v.unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
         return apply_rotary(k, cos, sin), v
 
     def queries(self, x, cos, sin):
@@ -225,18 +229,14 @@ class DFlashDrafter(nn.Module):
         fused = self.fuse_context(features)
         cos, sin = self._rope(positions, fused.dtype)
         end = ctx.length + n
-        if self.context_kv is not None:  # all layers read the same context vectors: one matmul for their k/v
-            kv, d = self.config.num_key_value_heads, self.config.head_dim
-            per_layer = self.context_kv(fused).view(n, len(self.layers), 2, kv, d).unbind(1)
-            for i, (layer, kvs) in enumerate(zip(self.layers, per_layer)):
-                k = layer.self_attn.k_norm(kvs[:, 0]).transpose(0, 1)
-                ctx.k[i, :, ctx.length:end] = apply_rotary(k, cos, sin)
-                ctx.v[i, :, ctx.length:end] = kvs[:, 1].transpose(0, 1)
-        else:
-            for i, layer in enumerate(self.layers):
-                k, v = layer.self_attn.keys_values(fused, cos, sin)
-                ctx.k[i, :, ctx.length:end] = k
-                ctx.v[i, :, ctx.length:end] = v
+        # all layers read the same context vectors: with context_kv, one matmul projects every layer's k/v
+        projected = None if self.context_kv is None else self.context_kv(fused).view(n, len(self.layers), 2, -1)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            k, v = (attn.keys_values(fused, cos, sin) if projected is None
+                    else attn.kv_heads(projected[:, i, 0], projected[:, i, 1], cos, sin))
+            ctx.k[i, :, ctx.length:end] = k
+            ctx.v[i, :, ctx.length:end] = v
         ctx.length = end
 
     @torch.no_grad()
