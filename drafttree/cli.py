@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from .compute import add_compute_argument, compute_of
 from .methods import METHODS
@@ -39,6 +40,7 @@ def cmd_generate(a) -> int:
     from .load import load_target
     from .streaming import TextStream
 
+    t0 = time.perf_counter()
     target = load_target(a.model, compute=compute_of(a), threads=a.threads)
     ids = target.encode(a.prompt) if a.no_chat else target.encode_chat(a.prompt, system=a.system)
     text = TextStream(target.tokenizer)
@@ -48,12 +50,16 @@ def cmd_generate(a) -> int:
         sys.stdout.flush()
 
     if a.method != "ar":
-        from .methods import generate_with
+        from .methods import generate_with, proposer_with
 
-        result = generate_with(a.method, target, ids, a, on_tokens=stream)
+        proposer = proposer_with(a.method, target, a)  # loading and preparing: not decoding time
+        load_s = time.perf_counter() - t0
+        result = generate_with(a.method, target, ids, a, on_tokens=stream, proposer=proposer)
     else:
+        load_s = time.perf_counter() - t0
         result = generate_ar(target, ids, a.max_new_tokens, _sampling(a), on_tokens=stream)
     print(text.finish())
+    print(f"load {load_s:.2f} s (model, drafter, cost model; not in the figures below)", file=sys.stderr)
     print(result.stats.line(), file=sys.stderr)
     return 0
 

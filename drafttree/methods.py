@@ -195,10 +195,18 @@ def generate(method: str, target: Target, prompt_ids, max_new_tokens: int = 256,
     return generate_speculative(target, prompt_ids, proposer, max_new_tokens, sampling, stop_token_ids, on_tokens)
 
 
-def generate_with(method: str, target: Target, prompt_ids, args, on_tokens=None) -> GenerationResult:
-    """CLI glue: method options from parsed arguments."""
+def proposer_with(method: str, target: Target, args):
+    """CLI glue: the method's proposer (None for "ar") from parsed arguments, everything it prepares done now."""
+    if method == "ar":
+        return None
     drafter = None if method in NO_DRAFTER else load_drafter_for(target, getattr(args, "drafter", None))
+    return make_proposer(method, target, drafter, budget=getattr(args, "budget", 16), weaver=getattr(args, "weaver", None),
+                         weaver_width=getattr(args, "weaver_width", DEFAULT_WEAVER_WIDTH))
+
+
+def generate_with(method: str, target: Target, prompt_ids, args, on_tokens=None, proposer=None) -> GenerationResult:
+    """CLI glue: method options from parsed arguments (`proposer`: made already by `proposer_with`)."""
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    return generate(method, target, prompt_ids, args.max_new_tokens, sampling, on_tokens=on_tokens, drafter=drafter,
-                    budget=getattr(args, "budget", 16), weaver=getattr(args, "weaver", None),
-                    weaver_width=getattr(args, "weaver_width", DEFAULT_WEAVER_WIDTH))
+    if method != "ar" and proposer is None:
+        proposer = proposer_with(method, target, args)
+    return generate(method, target, prompt_ids, args.max_new_tokens, sampling, proposer=proposer, on_tokens=on_tokens)

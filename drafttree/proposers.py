@@ -181,6 +181,8 @@ class DFlashProposer:
         self.name = policy.name
         # A reduced draft vocabulary needs the head's rows; otherwise the target's own head (its path) is used.
         self.lm_head = head_rows_source(target_model) if drafter.config.draft_vocab_size else target_model.logits
+        if drafter.config.draft_vocab_size:  # the head's draft rows are sliced (and packed) now, never in a round
+            drafter.head_weight(self.lm_head)
         self.draft_token_ids = drafter.draft_token_ids  # [Vd] target id per marginal column, or None (all ids)
         self.vocab_size = drafter.config.draft_vocab_size or drafter.config.vocab_size
         self.gate_memory = GateMemory()  # what drafting and plain rounds earned in this proposer's earlier requests

@@ -102,3 +102,21 @@ def test_reduced_drafter_decodes_losslessly(tiny_checkpoint):
         proposer = DFlashProposer(reduced, target.model, policy)
         assert proposer.draft_token_ids is not None
         assert generate_speculative(target, ids, proposer, 24, stop_token_ids=()).tokens == ar
+
+
+def test_reduced_head_is_prepared_when_the_proposer_is_made(tiny_checkpoint):
+    """Nothing but decoding in a decode: the head's draft rows are sliced when the proposer is made, and no
+    round slices them again (on the int8 path that was ~0.2 s charged to the first round)."""
+    from drafttree.engine import generate_speculative
+    from drafttree.load import load_target
+    from drafttree.proposers import DFlashProposer
+    from spec_helpers import random_drafter_for
+
+    target = load_target(str(tiny_checkpoint[0]))
+    vocab = target.model.config.vocab_size
+    reduced, _ = with_draft_vocab(random_drafter_for(target.model), torch.arange(vocab).flip(0).float(), vocab // 2)
+    proposer = DFlashProposer(reduced, target.model, BestFirstPolicy(8))
+    prepared = reduced._head_cache
+    assert prepared is not None
+    generate_speculative(target, torch.tensor([1, 5, 9, 2]), proposer, 12, stop_token_ids=())
+    assert reduced._head_cache is prepared

@@ -207,7 +207,9 @@ class LookupDFlashProposer:
         if state.extra_phi is None or state.skipped + 1 >= self.explore_every:
             return False
         cm = self.policy.cost_model
-        n = min(self.policy.max_tree_nodes, len(alone.nodes) + round(state.extra_nodes))
+        # extra_nodes is a mean difference of node counts and may be negative (a merged tree can stop earlier than
+        # the lookup's alone, its drafter paying a cost the lookup does not): the estimate is a count, at least 0
+        n = min(self.policy.max_tree_nodes, max(0, len(alone.nodes) + round(state.extra_nodes)))
         merged_ms = overhead + cm.draft_cost_ms(start) + cm.verify_ms(n, start)
         return alone.expected_tokens * merged_ms >= (alone.expected_tokens + state.extra_phi) * alone.round_ms
 
