@@ -20,7 +20,7 @@ from .sampling import SamplingParams, next_token, sampling_probs
 from .stats import GenerationStats
 from .target import Target
 from .validate import InputError, check_int, check_token_ids
-from .verify import Acceptance, accept_greedy, accept_sampling
+from .verify import Acceptance, TreeLogits, accept_greedy, accept_sampling
 
 
 @dataclass
@@ -30,11 +30,21 @@ class GenerationResult:
     text: str | None = None
 
 
-def walk_tree(tree, logits: torch.Tensor, sampling: SamplingParams, gen) -> Acceptance:
-    """Greedy: follow the target's argmax; sampling: sample the target at each visited node (lossless)."""
+def verify_input(tree, start: int) -> VerifyInput:
+    """A round's verify: every node's rows through the layers, the LM head for the tree's principal path only
+    (TreeLogits computes the rows a walk reaches off it)."""
+    return VerifyInput.of_tree(tree, start, torch.tensor(tree.principal_path()))
+
+
+def walk_tree(tree, logits: torch.Tensor | TreeLogits, sampling: SamplingParams, gen) -> Acceptance:
+    """Greedy: follow the target's argmax; sampling: sample the target at each visited node (lossless).
+    `logits`: [n, V] for every node, or a TreeLogits (rows computed as the walk reaches them)."""
     if sampling.greedy:
+        if isinstance(logits, TreeLogits):
+            return accept_greedy(tree, lambda i: int(logits(i).argmax()))
         return accept_greedy(tree, logits.argmax(-1))
-    return accept_sampling(tree, lambda i: sampling_probs(logits[i], sampling), gen)
+    return accept_sampling(tree, lambda i: sampling_probs(logits[i] if isinstance(logits, torch.Tensor) else logits(i),
+                                                          sampling), gen)
 
 
 class Sequence:
@@ -129,7 +139,7 @@ class Sequence:
             tree = proposer.build_tree(self.draft_state, self.root, drafted, start)
             # nodes whose tokens could not be kept (past max_new_tokens) or stored (past the state) are not verified
             tree = tree.truncated(self.state.max_len - start, self.max_new - len(self.tokens) - 1)
-        return VerifyInput.of_tree(tree, start), tree
+        return verify_input(tree, start), tree
 
     def _end_round(self, batch: VerifyInput, tree, res) -> list[int]:
         """Walk the verified tree, commit the accepted path, tell the proposer."""
@@ -139,7 +149,9 @@ class Sequence:
                 self.model.commit(self.state, torch.zeros(1, dtype=torch.long))
             return [int(next_token(res.logits[-1], self.sampling, self.gen))]
         with stats.timed("verify_s"):
-            acc = walk_tree(tree, res.logits, self.sampling, self.gen)
+            rows = batch.logits_rows.tolist()
+            logits = TreeLogits(tree, res.logits, rows, res.hidden, self.model.row_logits)
+            acc = walk_tree(tree, logits, self.sampling, self.gen)
             self.model.commit(self.state, acc.nodes)
         with stats.timed("draft_s"):
             features = None if res.features is None else res.features[acc.nodes]

@@ -122,6 +122,15 @@ class DraftTree:
     def children(self, node: int) -> list[int]:
         return list(self.child_maps[node].values())
 
+    def principal_path(self, node: int = 0) -> list[int]:
+        """`node`, then its first child, that child's first child, ...: in a best-first tree (nodes in order of
+        path probability) the most probable path below `node`, the one a walk most likely takes."""
+        path, maps = [node], self.child_maps
+        while maps[node]:
+            node = min(maps[node].values())
+            path.append(node)
+        return path
+
     def path(self, node: int) -> torch.Tensor:
         """Root-first node indices from the root to `node`."""
         out = []

@@ -18,6 +18,33 @@ TargetArgmax = Union[torch.Tensor, Callable[[int], int]]
 TargetProbs = Union[torch.Tensor, Callable[[int], torch.Tensor]]
 
 
+class TreeLogits:
+    """The target's logits at a verified tree's nodes, computed for the nodes a walk reaches: the verify forward
+    computes them for the tree's principal path (`DraftTree.principal_path`, the rows `verify_input` asks for),
+    and a walk that leaves it gets the principal path below the node it reached in one more head call. The LM
+    head is a fifth of a row's weights at SmolLM2's shape, and a walk reads τ of a tree's n rows.
+
+    `row_logits(hidden [r, H]) -> [r, V]` must give the forward's own bits for those rows (the kernel paths'
+    row-wise norm and head do)."""
+
+    def __init__(self, tree: DraftTree, logits: torch.Tensor, rows: list[int], hidden: torch.Tensor | None,
+                 row_logits: Callable[[torch.Tensor], torch.Tensor]):
+        self.tree, self.hidden, self.row_logits = tree, hidden, row_logits
+        self.at = dict(zip(rows, logits))  # node -> its logits row
+        self.head_calls = 1
+
+    def __call__(self, node: int) -> torch.Tensor:
+        row = self.at.get(node)
+        if row is None:
+            if self.hidden is None:
+                raise ValueError(f"no logits for node {node} and no hidden states to compute them from")
+            rows = self.tree.principal_path(node)
+            self.at.update(zip(rows, self.row_logits(self.hidden[rows])))
+            self.head_calls += 1
+            row = self.at[node]
+        return row
+
+
 class Acceptance(NamedTuple):
     nodes: torch.Tensor  # LongTensor: accepted node indices, root first (always starts with 0)
     bonus_token: int  # the target's token after the last accepted node (next round's root)

@@ -16,6 +16,7 @@ from .verify_input import VerifyInput
 class ForwardOutput:
     logits: torch.Tensor | None  # [R, V] fp32 for the requested rows
     features: torch.Tensor | None  # [T, k*H]: hidden states after the captured layers, concatenated
+    hidden: torch.Tensor | None = None  # [T, H]: after the last layer, before the final norm (`row_logits`)
 
 
 class CausalLM(nn.Module):
@@ -44,6 +45,11 @@ class CausalLM(nn.Module):
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
+    def row_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of rows of `ForwardOutput.hidden`: the same bits as the forward's own logits for those rows
+        on the batch-invariant kernel paths (row-wise norm and head), for rows a walk reaches after the forward."""
+        return self.logits(self.norm(hidden))
+
     def _output(self, x: torch.Tensor, captured: dict[int, torch.Tensor], capture_layers: tuple[int, ...],
                 logits_rows: torch.Tensor | None) -> ForwardOutput:
         features = None
@@ -55,7 +61,7 @@ class CausalLM(nn.Module):
         if logits_rows is None or logits_rows.numel():
             h = x if logits_rows is None else x[logits_rows]
             logits = self.logits(self.norm(h))
-        return ForwardOutput(logits=logits, features=features)
+        return ForwardOutput(logits=logits, features=features, hidden=x)
 
     def prefill(self, state: ModelState, tokens: torch.Tensor, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """Run and commit a whole prompt; logits of the last token only."""

@@ -182,7 +182,7 @@ class Transformer(CausalLM):
         for st, (a, b, _, _), layers, lg in zip(states, segments, capture_layers, logits):
             st.kv.pending = b - a
             feats = torch.cat([captured[i][a:b] for i in layers], dim=-1) if layers else None
-            out.append(ForwardOutput(logits=lg, features=feats))
+            out.append(ForwardOutput(logits=lg, features=feats, hidden=x[a:b]))
         return out
 
     def commit(self, state: ModelState, rows: torch.Tensor) -> None:

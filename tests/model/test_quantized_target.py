@@ -119,3 +119,30 @@ def test_fused_drafter_drafts_the_same(tiny_checkpoint, kernels):
         d.extend_context(ctx, feats, torch.arange(9))
         outs.append(d.draft(ctx, d.block_embeds(3, target.model.embed), 9))
     assert torch.allclose(outs[0], outs[1], atol=1e-4)
+
+
+@pytest.mark.parametrize("compute", ["int8", "q4"])
+def test_rows_the_walk_reaches_later_equal_the_full_forward(tiny_checkpoint, compute):
+    """The engine's verify computes the head for the principal path only; every other node's logits, computed
+    when a walk reaches it (verify.TreeLogits), are the bits a forward with every row's logits gives."""
+    from drafttree.engine import verify_input
+    from drafttree.model.verify_input import VerifyInput
+    from drafttree.tree import random_tree
+    from drafttree.verify import TreeLogits
+
+    m = int8_target(tiny_checkpoint[0], compute=compute).model
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, m.config.vocab_size, (7,), generator=gen)
+    for shape in ("random", "star", "deep", "chain"):
+        tree = random_tree(11, m.config.vocab_size, shape, gen)
+        full_state, lazy_state = m.new_state(64), m.new_state(64)
+        m.prefill(full_state, prompt)
+        m.prefill(lazy_state, prompt)
+        full = m.verify(full_state, VerifyInput.of_tree(tree, prompt.numel())).logits
+        batch = verify_input(tree, prompt.numel())
+        assert batch.logits_rows.tolist() == tree.principal_path()
+        res = m.verify(lazy_state, batch)
+        lazy = TreeLogits(tree, res.logits, batch.logits_rows.tolist(), res.hidden, m.row_logits)
+        for node in reversed(range(tree.num_nodes)):  # off-path nodes first: each costs one more head call
+            assert torch.equal(lazy(node), full[node]), (shape, node)
+        assert lazy.head_calls <= 1 + tree.num_nodes - len(tree.principal_path())
