@@ -122,6 +122,24 @@ def test_block_rows_are_the_drafted_rows_bit_for_bit(tiny_checkpoint):
     assert torch.equal(torch.cat([rows.rows(0, 1), rows.rows(1, 3), rows.rows(3, 8)]), full)
 
 
+@pytest.mark.parametrize("compute", ["int8", "q4"])
+def test_drafter_stack_drafts_the_layer_loops_bits(tiny_checkpoint, compute):
+    """The drafter's block through the target's C++ decoder stack (one call, every layer whole) gives the hidden
+    states of its Python layer loop (the stack's reference) bit for bit, context and block scratch rows alike."""
+    target, d = kernel_target_and_drafter(tiny_checkpoint[0], compute)
+    assert d.decoder_stack is not None
+    feats = torch.randn(9, d.config.context_dim)
+    drafted = []
+    for stack in (d.decoder_stack, None):
+        d.decoder_stack = stack
+        ctx = d.new_context()
+        d.extend_context(ctx, feats, torch.arange(9))
+        rows = d.draft_rows(ctx, d.block_embeds(3, target.model.embed, 6), 9)
+        drafted.append((rows.rows(0, rows.count), ctx.k[:, :, :15].clone(), ctx.v[:, :, :15].clone()))
+    for a, b in zip(*drafted):
+        assert torch.equal(a, b)
+
+
 def test_fused_context_kv_is_the_per_layer_kv_bit_for_bit(tiny_checkpoint):
     """Every layer's context k/v from one matmul (DFlashDrafter.context_kv) equal the per-layer projections exactly
     on the kernel paths, whose output columns do not depend on the columns beside them."""

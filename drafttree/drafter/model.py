@@ -180,7 +180,18 @@ class DFlashDrafter(nn.Module):
         self.rotary = RotaryTable(config.head_dim, config.rope_theta, config.max_position_embeddings)
         self.context_kv: nn.Linear | None = None  # set by fuse_projections: every layer's context k/v in one matmul
         self._head_cache: tuple | None = None
+        # set by model.linear.use_cpu_kernels on the quantized paths: the kernels' ISA, and the block's layers as one
+        # C++ call (ops.decoder, the target's own stack: ~25 Python-level calls a round fewer)
+        self.attention_kernel: str | None = None
+        self.decoder_stack = None
         self.reset_parameters()
+
+    def stack_layers(self) -> list:
+        """The layers as ops.decoder.DecoderStack reads them (their fused projections: fuse_projections)."""
+        from drafttree.ops.decoder import StackLayer
+
+        return [StackLayer(l.input_layernorm, l.post_attention_layernorm, l.self_attn, l.self_attn.qkv,
+                           l.self_attn.o_proj, l.mlp, l.mlp.gate_up, l.mlp.down_proj) for l in self.layers]
 
     def reset_parameters(self, std: float = 0.02):
         for m in self.modules():
@@ -261,6 +272,10 @@ class DFlashDrafter(nn.Module):
         h = block_embeds.to(self.dtype)
         cos, sin = self._rope(pos, h.dtype)
         c, end = ctx.length, ctx.length + B
+        if self.decoder_stack is not None and ctx.k.dtype == torch.float32:
+            # every layer whole, in one call: the last layer's tail for all rows costs less than its Python calls
+            h, _ = self.decoder_stack(h, cos.squeeze(-3), sin.squeeze(-3), ctx, c, torch.ones(B, B, dtype=torch.bool), ())
+            return BlockRows(self, h, None)
         kernel = self.layers[0].self_attn.kernel_isa if self.layers else None
         fused = kernel is not None and ctx.k.dtype == torch.float32 and self.layers[0].self_attn.qkv is not None
         if fused:

@@ -96,6 +96,13 @@ class Transformer(CausalLM):
         self.attention_kernel: str | None = None  # ISA of the batch-invariant attention kernel (int8 path)
         self.decoder_stack = None  # the layers as one C++ call (ops.decoder), set with the kernels; None: the loop
 
+    def stack_layers(self) -> list:
+        """The layers as DecoderStack reads them."""
+        from drafttree.ops.decoder import StackLayer
+
+        return [StackLayer(l.input_norm, l.post_norm, l.attn, l.attn.qkv, l.attn.o, l.mlp, l.mlp.gate_up, l.mlp.down)
+                for l in self.layers]
+
     def init_rope(self) -> None:
         """Rope tables are derived, not loaded; build them outside any meta-device context."""
         cfg = self.config

@@ -3,6 +3,8 @@ kernels in the same order as the Python layer loop of model/transformer.py, whic
 bits, tests/ops/test_decoder_stack.py), without the Python module calls between them."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from drafttree.ops.cpu_extension import ISA_CODES, extension
@@ -22,9 +24,25 @@ def _linear_tensors(linear) -> tuple[list[torch.Tensor], int, int] | None:
     return None
 
 
+class StackLayer(NamedTuple):
+    """What one decoder layer brings to the stack (each model names its modules its own way): the norms, the
+    attention module (n_heads, n_kv, head_dim, q_norm, k_norm), the MLP module (kernel_isa) and the four linears
+    (None where the layer has no fused form)."""
+
+    input_norm: object
+    post_norm: object
+    attn: object
+    qkv: object
+    o: object
+    mlp: object
+    gate_up: object
+    down: object
+
+
 class DecoderStack:
-    """The decoder layers of a Transformer as one kernel call; `of(model)` is None where they do not fit it
-    (a float path, a reference linear, mixed ISAs), and the model keeps its layer loop."""
+    """Decoder layers as one kernel call; `of(model)` is None where they do not fit it (a float path, a reference
+    linear, mixed ISAs), and the model keeps its layer loop. The cache is anything with k/v [layers, Hkv, Lmax, d]:
+    a target's KVCache, a drafter's DraftContext (its block's rows are scratch rows after the context)."""
 
     def __init__(self, layers: list[list[torch.Tensor]], meta: list[int], isa: str, n_heads: int, n_kv: int,
                  scale: float, norm_eps: float, qk_norm_eps: float):
@@ -33,32 +51,37 @@ class DecoderStack:
 
     @classmethod
     def of(cls, model) -> "DecoderStack | None":
+        """The stack of `model.stack_layers()` (a Transformer's decoder layers, a DFlash drafter's) on the model's
+        attention kernel ISA; None where they do not fit it."""
         isa = model.attention_kernel
-        if isa is None or model.dtype != torch.float32 or not len(model.layers):
+        if isa is None or model.dtype != torch.float32:
+            return None
+        parts = model.stack_layers()
+        if not parts:
             return None
         layers, meta, eps, qk_eps = [], [], set(), set()
-        for layer in model.layers:
-            attn, mlp = layer.attn, layer.mlp
-            if {layer.input_norm.kernel_isa, layer.post_norm.kernel_isa, mlp.kernel_isa} != {isa}:
+        for p in parts:
+            attn = p.attn
+            if {p.input_norm.kernel_isa, p.post_norm.kernel_isa, p.mlp.kernel_isa} != {isa}:
                 return None
             if (attn.q_norm is None) != (attn.k_norm is None):
                 return None
-            tensors = [layer.input_norm.weight, layer.post_norm.weight,
+            tensors = [p.input_norm.weight, p.post_norm.weight,
                        _NONE if attn.q_norm is None else attn.q_norm.weight,
                        _NONE if attn.k_norm is None else attn.k_norm.weight]
-            for linear in (attn.qkv, attn.o, mlp.gate_up, mlp.down):
-                found = _linear_tensors(linear)
+            for linear in (p.qkv, p.o, p.gate_up, p.down):
+                found = None if linear is None else _linear_tensors(linear)
                 if found is None or linear.isa != isa:
                     return None
                 tensors += found[0]
                 meta += found[1:]
             layers.append([t.detach() for t in tensors])
-            eps |= {layer.input_norm.eps, layer.post_norm.eps}
+            eps |= {p.input_norm.eps, p.post_norm.eps}
             if attn.q_norm is not None:
                 qk_eps |= {attn.q_norm.eps, attn.k_norm.eps}
         if len(eps) != 1 or len(qk_eps) > 1:
             return None
-        a = model.layers[0].attn
+        a = parts[0].attn
         return cls(layers, meta, isa, a.n_heads, a.n_kv, a.head_dim**-0.5, eps.pop(), qk_eps.pop() if qk_eps else 0.0)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, past: int,
