@@ -1,6 +1,7 @@
 """Proposers and helpers for testing speculative decoding on tiny models."""
 import torch
 
+from drafttree.costmodel import ConvexCost, VerifyCostModel
 from drafttree.drafter.model import DFlashConfig, DFlashDrafter
 from drafttree.load import load_target
 
@@ -53,3 +54,9 @@ def random_drafter_for(model, layers=2, block_size=8, seed=0) -> DFlashDrafter:
                                    rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings))
     d.reset_parameters(std=0.5)
     return d.eval()
+
+
+def synthetic_cost_model(draft_ms: float = 3.0) -> VerifyCostModel:
+    """A cost model the tests share: convex in the verified tokens, flat-ish first, then linear."""
+    return VerifyCostModel(context_lens=(0,), curves=(ConvexCost(knots=(1.0, 8.0, 64.0), values=(10.0, 12.0, 40.0)),),
+                           draft_ms=draft_ms)

@@ -6,18 +6,12 @@ import pytest
 import torch
 
 from drafttree.bench.methods import add_arguments, benchmark, markdown_report, mismatch_lines, parse_variants
-from drafttree.costmodel import ConvexCost, VerifyCostModel
 from drafttree.load import load_target
 from drafttree.proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy
 from drafttree.sampling import SamplingParams
-from spec_helpers import TargetCopyProposer, random_drafter_for
+from spec_helpers import TargetCopyProposer, random_drafter_for, synthetic_cost_model
 from tiny_models import make_tiny_checkpoint
 
-
-def synthetic_cost_model() -> VerifyCostModel:
-    # as in test_speculative: convex in verified tokens, flat-ish first, then linear
-    return VerifyCostModel(context_lens=(0,), curves=(ConvexCost(knots=(1.0, 8.0, 64.0), values=(10.0, 12.0, 40.0)),),
-                           draft_ms=3.0)
 
 
 @pytest.fixture(scope="module")

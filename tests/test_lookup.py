@@ -6,19 +6,14 @@ import math
 import pytest
 import torch
 
-from drafttree.costmodel import ConvexCost, VerifyCostModel
 from drafttree.engine import Sequence, generate_ar, generate_speculative
 from drafttree.load import load_target
 from drafttree.lookup import (LookupCalibrator, LookupConfig, LookupDFlashProposer, LookupProposer, SuffixIndex,
                               merged_best_first)
 from drafttree.proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer
 from drafttree.tree import best_first_nodes
-from spec_helpers import random_drafter_for
+from spec_helpers import random_drafter_for, synthetic_cost_model
 
-
-def synthetic_cost_model(draft_ms: float = 3.0) -> VerifyCostModel:
-    return VerifyCostModel(context_lens=(0,), curves=(ConvexCost(knots=(1.0, 8.0, 64.0), values=(10.0, 12.0, 40.0)),),
-                           draft_ms=draft_ms)
 
 
 # ---- the suffix index -------------------------------------------------------------------------------------

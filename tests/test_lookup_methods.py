@@ -3,15 +3,10 @@
 import pytest
 import torch
 
-from drafttree.costmodel import ConvexCost, VerifyCostModel
 from drafttree.load import load_target
 from drafttree.lookup import LookupDFlashProposer
-from spec_helpers import random_drafter_for
+from spec_helpers import random_drafter_for, synthetic_cost_model
 
-
-def synthetic_cost_model() -> VerifyCostModel:
-    return VerifyCostModel(context_lens=(0,), curves=(ConvexCost(knots=(1.0, 8.0, 64.0), values=(10.0, 12.0, 40.0)),),
-                           draft_ms=3.0)
 
 
 def repetitive_prompts(vocab, n=1, seed=0):

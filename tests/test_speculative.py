@@ -2,17 +2,11 @@
 import pytest
 import torch
 
-from drafttree.costmodel import ConvexCost, VerifyCostModel
 from drafttree.engine import generate_ar, generate_speculative
 from drafttree.load import load_target
 from drafttree.proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy, DFlashProposer
-from spec_helpers import TargetCopyProposer, random_drafter_for
+from spec_helpers import TargetCopyProposer, random_drafter_for, synthetic_cost_model
 
-
-def synthetic_cost_model() -> VerifyCostModel:
-    # convex in the number of verified tokens: flat-ish first, then linear
-    curve = ConvexCost(knots=(1.0, 8.0, 64.0), values=(10.0, 12.0, 40.0))
-    return VerifyCostModel(context_lens=(0,), curves=(curve,), draft_ms=3.0)
 
 
 POLICIES = {

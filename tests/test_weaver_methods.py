@@ -4,18 +4,13 @@ untrained Weaver decodes exactly as DDTree does, and sampling matches the target
 import pytest
 import torch
 
-from drafttree.costmodel import ConvexCost, VerifyCostModel
 from drafttree.engine import generate_ar, generate_speculative
 from drafttree.load import load_target
 from drafttree.proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer
 from drafttree.weaver import Weaver, WeaverConfig, WeaverProposer
 from drafttree.weaver.tree import LookaheadWeaverStream, WeaverStream
-from spec_helpers import random_drafter_for
+from spec_helpers import random_drafter_for, synthetic_cost_model
 
-
-def synthetic_cost_model() -> VerifyCostModel:
-    return VerifyCostModel(context_lens=(0,), curves=(ConvexCost(knots=(1.0, 8.0, 64.0), values=(10.0, 12.0, 40.0)),),
-                           draft_ms=3.0)
 
 
 def weaver_for(target, drafter, trained: bool = True, seed: int = 0, k: int = 16) -> Weaver:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from drafttree.target import Target
+from spec_helpers import synthetic_cost_model
 
 
 class CharTokenizer:
@@ -60,12 +61,6 @@ def tiny_target(tiny_path):
     model = load_target(str(tiny_path)).model
     return Target(model=model, tokenizer=CharTokenizer(model.config.vocab_size), name="tiny-llama")
 
-
-def synthetic_cost_model():
-    from drafttree.costmodel import ConvexCost, VerifyCostModel
-
-    return VerifyCostModel(context_lens=(0,), curves=(ConvexCost(knots=(1.0, 8.0, 64.0), values=(10.0, 12.0, 40.0)),),
-                           draft_ms=3.0)
 
 
 @pytest.fixture(scope="session")
