@@ -6,7 +6,7 @@ import sys
 import time
 
 from .compute import add_compute_argument, compute_of
-from .methods import METHODS
+from .methods import METHODS, add_weaver_args
 from .sampling import SamplingParams
 
 
@@ -22,13 +22,6 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-
-
-def add_weaver_args(p: argparse.ArgumentParser) -> None:
-    """--weaver / --weaver-width, wherever --drafter is: the weaver-* methods' adapter and its expansion width."""
-    p.add_argument("--weaver", default=None, help="Weaver directory for weaver-ddtree / weaver-caddtree "
-                   "(default: the one shipped for the model)")
-    p.add_argument("--weaver-width", type=int, default=8, help="nodes Weaver expands per call (1: exact best-first)")
 
 
 def _sampling(a) -> SamplingParams:
@@ -96,9 +89,27 @@ def cmd_bench_runtime(a) -> int:
 
 
 def cmd_profile(a) -> int:
-    from .profile import run
+    from pathlib import Path
 
-    return run(a)
+    from .load import load_target
+    from .methods import cost_model_path, load_drafter_for
+    from .profile import profile_costs
+
+    target = load_target(a.model, compute=compute_of(a), threads=a.threads)
+    drafter = load_drafter_for(target, a.drafter)
+    model = profile_costs(target, drafter, quick=a.quick)
+    path = Path(a.out) if a.out else cost_model_path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model.save(path)
+    model.plot(path.with_suffix(".png"), title=f"{target.name} {target.compute_label}")
+    print(f"cost model: {path}\nplot: {path.with_suffix('.png')}")
+    meas = model.measurements
+    print("| context | " + " | ".join(f"{n} tok" for n in meas["token_counts"]) + " |")
+    print("|---|" + "---|" * len(meas["token_counts"]))
+    for ctx, row in meas["median_ms"].items():
+        print(f"| {ctx} | " + " | ".join(f"{v:.1f}" for v in row) + " |")
+    print(f"draft: {model.draft_ms:.2f} ms + {model.draft_ms_per_context_token:.4f} ms per context token")
+    return 0
 
 
 def cmd_bench(a) -> int:

@@ -29,6 +29,15 @@ SHIPPED_DRAFTERS = {"smollm2-135m-instruct": WEIGHTS_DIR / "smollm2-135m-instruc
 SHIPPED_WEAVERS = {"smollm2-135m-instruct": WEIGHTS_DIR / "smollm2-135m-instruct-weaver"}
 
 
+def add_weaver_args(p) -> None:
+    """--weaver / --weaver-width (an argparse parser), wherever --drafter is: the weaver-* methods' adapter and its
+    expansion width."""
+    p.add_argument("--weaver", default=None, help="Weaver directory for weaver-ddtree / weaver-caddtree "
+                   "(default: the one shipped for the model)")
+    p.add_argument("--weaver-width", type=int, default=DEFAULT_WEAVER_WIDTH,
+                   help="nodes Weaver expands per call (1: exact best-first)")
+
+
 def default_drafter_path(target: Target) -> Path:
     path = SHIPPED_DRAFTERS.get(target.name)
     if path is None or not (path / "config.json").exists():

@@ -10,10 +10,9 @@ import time
 
 import torch
 
-from .compute import compute_of
 from .costmodel import VerifyCostModel, profile_grid
-from .marginals import LazyDraftScores
 from .engine import verify_input
+from .marginals import LazyDraftScores
 from .tree import random_tree
 
 FULL_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 129)
@@ -71,26 +70,3 @@ def profile_costs(target, drafter, quick: bool = False, repeats: int | None = No
 
     return profile_grid(measure_verify, tokens, contexts, repeats=repeats, warmup=1,
                         draft_measure_fn=measure_draft, progress=progress)
-
-
-def run(a) -> int:
-    from pathlib import Path
-
-    from .load import load_target
-    from .methods import cost_model_path, load_drafter_for
-
-    target = load_target(a.model, compute=compute_of(a), threads=a.threads)
-    drafter = load_drafter_for(target, a.drafter)
-    model = profile_costs(target, drafter, quick=a.quick)
-    path = Path(a.out) if a.out else cost_model_path(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    model.save(path)
-    model.plot(path.with_suffix(".png"), title=f"{target.name} {target.compute_label}")
-    print(f"cost model: {path}\nplot: {path.with_suffix('.png')}")
-    meas = model.measurements
-    print("| context | " + " | ".join(f"{n} tok" for n in meas["token_counts"]) + " |")
-    print("|---|" + "---|" * len(meas["token_counts"]))
-    for ctx, row in meas["median_ms"].items():
-        print(f"| {ctx} | " + " | ".join(f"{v:.1f}" for v in row) + " |")
-    print(f"draft: {model.draft_ms:.2f} ms + {model.draft_ms_per_context_token:.4f} ms per context token")
-    return 0

@@ -144,7 +144,7 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--drafter", default=None)
-    from ..cli import add_weaver_args
+    from ..methods import add_weaver_args
 
     add_weaver_args(p)
     p.add_argument("--out", default="runs/lossless")

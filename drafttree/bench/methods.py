@@ -467,7 +467,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost-model", default=None,
                    help="caddtree's cost model JSON (default: this machine's cached one, profiled on first use)")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the one shipped for the model)")
-    from ..cli import add_weaver_args
+    from ..methods import add_weaver_args
 
     add_weaver_args(p)
     p.add_argument("--datasets", "--sets", dest="datasets", default=",".join(DEFAULT_DATASETS),

@@ -194,7 +194,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weaver-stream", action="store_true", help="record Weaver's stream (drafttree.weaver) instead of the "
                    "marginals' heap: the fixed budgets are then weaver-ddtree and caddtree is weaver-caddtree without "
                    "the Weaver's own call cost")
-    from ..cli import add_weaver_args
+    from ..methods import add_weaver_args
 
     add_weaver_args(p)
 

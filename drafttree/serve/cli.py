@@ -27,7 +27,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="decoding method of requests that do not name one in the body field `method`")
     s.add_argument("--drafter", default=None, help="drafter directory (default: the one shipped for the model)")
     s.add_argument("--budget", type=int, default=16, help="draft-tree nodes for method ddtree")
-    from ..cli import add_weaver_args
+    from ..methods import add_weaver_args
 
     add_weaver_args(s)
     s.add_argument("--api-key", default=None,

@@ -3,7 +3,7 @@ kernels in the same order as the Python layer loop of model/transformer.py, whic
 bits, tests/ops/test_decoder_stack.py), without the Python module calls between them."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -12,16 +12,18 @@ from drafttree.ops.cpu_extension import ISA_CODES, extension
 _NONE = torch.empty(0)
 
 
-def _linear_tensors(linear) -> tuple[list[torch.Tensor], int, int] | None:
-    """(tensors, kind, n_out) of a kernel linear layer, or None for any other layer."""
-    from drafttree.model.linear import Int8Linear, Q4Linear
+@runtime_checkable
+class StackLinear(Protocol):
+    """A linear layer the C++ stack can run (model.linear's Int8Linear and Q4Linear)."""
 
-    bias = _NONE if linear.bias is None else linear.bias
-    if isinstance(linear, Q4Linear):
-        return [linear.weight_q4, linear.weight_d, linear.weight_m, bias], 1, linear.out_features
-    if isinstance(linear, Int8Linear) and linear.isa != "reference":
-        return [linear.weight_packed, linear.weight_scale, linear.weight_sum, bias], 0, linear.out_features
-    return None
+    isa: str
+
+    def stack_tensors(self) -> tuple[list[torch.Tensor], int, int] | None:
+        """(tensors, kind: 0 int8 / 1 Q4_1, n_out) in decoder_stack.cpp's order, or None (a reference path)."""
+
+
+def _linear_tensors(linear) -> tuple[list[torch.Tensor], int, int] | None:
+    return linear.stack_tensors() if isinstance(linear, StackLinear) else None
 
 
 class StackLayer(NamedTuple):
