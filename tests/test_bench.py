@@ -104,3 +104,22 @@ def test_bench_deep_acceptance_is_lossless(tiny):
     assert all(rows[n]["mismatches"] == 0 and rows[n]["checked"] == 2 for n in proposers)
     assert rows["ddtree-8"]["tau"] > 1.5
     assert max(a for r in res["records"] if r["method"] == "ddtree-8" for a in r["accept_lengths"]) > 2
+
+
+def test_peers_summary_reports_tau_beside_tokens_per_s():
+    """bench-peers: τ = tokens the forwards after the prompt's emitted ÷ those forwards, for every system; None for
+    rows without the counts (files written before they were recorded)."""
+    from drafttree.bench.peers import markdown, summarize
+
+    rows = [dict(dataset="gsm8k", prompt=0, system="llama.cpp-ar", tokens=10, seconds=1.0, verified=9, forwards=9),
+            dict(dataset="gsm8k", prompt=0, system="drafttree-lookup", tokens=12, seconds=0.5, verified=11, forwards=4),
+            dict(dataset="gsm8k", prompt=1, system="drafttree-lookup", tokens=8, seconds=0.5, verified=9, forwards=4),
+            dict(dataset="gsm8k", prompt=0, system="old", tokens=5, seconds=1.0)]
+    table = summarize(rows, ["llama.cpp-ar", "drafttree-lookup", "old"], ["gsm8k"])
+    lookup = table["all"]["drafttree-lookup"]
+    assert lookup["tau"] == 20 / 8 and lookup["tokens_per_s"] == 20.0 and lookup["vs_llama_cpp"] == 2.0
+    assert table["gsm8k"]["llama.cpp-ar"]["tau"] == 1.0 and table["all"]["old"]["tau"] is None
+    config = dict(model="m", threads=2, cpu="c", isa="i", compute="q4", compute_reason="r", torch="t", llama_cpp="l",
+                  limit=2, max_new_tokens=8)
+    text = markdown(dict(config=config, table=table, bandwidth_gbs=1.0, floors_ms={"fp32": 1.0}))
+    assert "20.0 (2.00×, τ 2.50)" in text and "5.0 (0.50×) |" in text

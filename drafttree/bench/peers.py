@@ -50,16 +50,24 @@ class LlamaCpp:
         self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=4096,
                          draft_model=draft, verbose=False)
         self.name = f"llama.cpp-lookup-{lookup}" if lookup else "llama.cpp-ar"
+        self.evals = 0  # target forwards (Llama.eval calls): the prompt's, then one per verified draft or token
+        evaluate = self.llm.eval
 
-    def run(self, ids: list[int], max_new: int, stop: int) -> tuple[int, float]:
+        def counted(tokens):
+            self.evals += 1
+            return evaluate(tokens)
+
+        self.llm.eval = counted
+
+    def run(self, ids: list[int], max_new: int, stop: int) -> tuple[int, float, tuple[int, int]]:
         n, t_first = 0, None
         for tok in self.llm.generate(ids, top_k=1, temp=0.0, reset=True):
-            if t_first is None:
-                t_first = time.perf_counter()
+            if t_first is None:  # the prompt's forward gave the first token; the clock and the forwards start here
+                t_first, self.evals = time.perf_counter(), 0
             n += 1
             if tok == stop or n >= max_new:
                 break
-        return n, time.perf_counter() - t_first
+        return n, time.perf_counter() - t_first, (n - 1, self.evals)
 
 
 class Transformers:
@@ -70,13 +78,14 @@ class Transformers:
 
         self.model = load_hf(path, dtype, attn="sdpa")
 
-    def run(self, ids: list[int], max_new: int, stop: int) -> tuple[int, float]:
+    def run(self, ids: list[int], max_new: int, stop: int) -> tuple[int, float, tuple[int, int]]:
         inp = torch.tensor([ids])
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new, do_sample=False,
                                       eos_token_id=stop, pad_token_id=stop, temperature=None, top_p=None, top_k=None)
-        return out.shape[1] - len(ids), time.perf_counter() - t0
+        n = out.shape[1] - len(ids)
+        return n, time.perf_counter() - t0, (n - 1, n - 1)
 
 
 class Drafttree:
@@ -84,11 +93,11 @@ class Drafttree:
         self.target, self.method, self.proposer = target, method, proposer
         self.name = f"drafttree-{method}"
 
-    def run(self, ids: list[int], max_new: int, stop: int) -> tuple[int, float]:
+    def run(self, ids: list[int], max_new: int, stop: int) -> tuple[int, float, tuple[int, int]]:
         from ..methods import generate
 
         res = generate(self.method, self.target, torch.tensor(ids), max_new, proposer=self.proposer, stop_token_ids=(stop,))
-        return res.stats.new_tokens, res.stats.total_s
+        return res.stats.new_tokens, res.stats.total_s, (sum(res.stats.accept_lengths), len(res.stats.accept_lengths))
 
 
 def add_arguments(p) -> None:
@@ -141,8 +150,9 @@ def run(args) -> int:
     rng, rows = random.Random(args.seed), []
     for i, (dataset, ids) in enumerate(tqdm(prompts, desc="prompts", file=sys.stderr)):
         for s in rng.sample(systems, len(systems)):
-            n, dt = s.run(ids, args.max_new_tokens, stop)
-            rows.append(dict(dataset=dataset, prompt=i, system=s.name, tokens=n, seconds=dt))
+            n, dt, (verified, forwards) = s.run(ids, args.max_new_tokens, stop)
+            rows.append(dict(dataset=dataset, prompt=i, system=s.name, tokens=n, seconds=dt, verified=verified,
+                             forwards=forwards))
     n_weights = sum(p.numel() for p in load_target(args.model).model.parameters())
     bandwidth = read_bandwidth_gbs()
     cpu = cpu_info()
@@ -159,14 +169,19 @@ def run(args) -> int:
 
 
 def summarize(rows: list[dict], systems: list[str], datasets: list[str]) -> dict:
-    """tokens/s per system per set (all tokens ÷ all seconds) and each one's ratio to llama.cpp AR."""
+    """tokens/s per system per set (all tokens ÷ all seconds), each one's ratio to llama.cpp AR, and τ: the tokens
+    the target forwards after the prompt's emitted, per forward (rows without those counts, from older files: None)."""
     table = {}
     for d in [*datasets, "all"]:
         sel = [r for r in rows if d == "all" or r["dataset"] == d]
-        tps = {s: sum(r["tokens"] for r in sel if r["system"] == s) / max(1e-9, sum(r["seconds"] for r in sel if r["system"] == s))
-               for s in systems}
+        total = {s: {k: sum(r.get(k, 0) for r in sel if r["system"] == s)
+                     for k in ("tokens", "seconds", "verified", "forwards")}
+                 for s in systems}
+        tps = {s: t["tokens"] / max(1e-9, t["seconds"]) for s, t in total.items()}
         base = tps.get("llama.cpp-ar") or float("nan")
-        table[d] = {s: dict(tokens_per_s=v, vs_llama_cpp=v / base) for s, v in tps.items()}
+        table[d] = {s: dict(tokens_per_s=v, vs_llama_cpp=v / base,
+                            tau=total[s]["verified"] / total[s]["forwards"] if total[s]["forwards"] else None)
+                    for s, v in tps.items()}
     return table
 
 
@@ -179,12 +194,16 @@ def markdown(results: dict) -> str:
              f"≤ {c['max_new_tokens']} new tokens, greedy, stop token honoured.", "",
              f"Memory bandwidth {results['bandwidth_gbs']:.1f} GB/s; weight-streaming floor per token: "
              + ", ".join(f"{k} {v:.1f} ms" for k, v in results["floors_ms"].items()) + ".", "",
-             "tokens/s (× llama.cpp AR), measured side by side in one run:", "",
+             "tokens/s (× llama.cpp AR, τ = tokens per target forward), measured side by side in one run:", "",
              "| system | " + " | ".join(sets) + " |", "|---|" + "---:|" * len(sets)]
     for s in table["all"]:
-        lines.append(f"| {s} | " + " | ".join(f"{table[d][s]['tokens_per_s']:.1f} ({table[d][s]['vs_llama_cpp']:.2f}×)"
-                                             for d in sets) + " |")
+        lines.append(f"| {s} | " + " | ".join(_cell(table[d][s]) for d in sets) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _cell(entry: dict) -> str:
+    tau = entry.get("tau")
+    return f"{entry['tokens_per_s']:.1f} ({entry['vs_llama_cpp']:.2f}×{'' if tau is None else f', τ {tau:.2f}'})"
 
 
 def plot(results: dict, path: Path) -> None:
