@@ -89,8 +89,7 @@ def cost_model_path(target: Target) -> Path:
 
 # 2: the draft cost is a CaDDTree round's (its depth cap, the first lazy chunk of head rows), not a 15-deep chain's;
 # 3: its drafter block stops at the depth cap and its first lazy chunk of head rows is 4 rows
-# 4: the verify computes the LM head for the tree's principal path only (engine.verify_input)
-COST_MODEL_VERSION = 4
+COST_MODEL_VERSION = 3
 
 
 def load_or_profile_cost_model(target: Target, drafter, quiet: bool = False):
