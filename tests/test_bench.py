@@ -123,3 +123,21 @@ def test_peers_summary_reports_tau_beside_tokens_per_s():
                   limit=2, max_new_tokens=8)
     text = markdown(dict(config=config, table=table, bandwidth_gbs=1.0, floors_ms={"fp32": 1.0}))
     assert "20.0 (2.00×, τ 2.50)" in text and "5.0 (0.50×) |" in text
+
+
+def test_llama_speculative_log_is_parsed():
+    """The figures llama-speculative-simple prints at its end (a real log of the pinned llama.cpp, trimmed)."""
+    from drafttree.bench.llama_tools import parse_speculative_log
+
+    log = """0.00.977.658 I encoded   39 tokens in    0.149 seconds, speed:  261.638 t/s
+0.00.977.727 I decoded   65 tokens in    0.518 seconds, speed:  125.392 t/s
+0.00.977.870 I n_predict = 65
+0.00.978.222 I target:
+
+0.00.978.379 I common_perf_print: prompt eval time =     158.31 ms /    41 tokens (    3.86 ms per token,   258.99 tokens per second)
+0.00.978.435 I common_perf_print:        eval time =     494.66 ms /    64 runs   (    7.73 ms per token,   129.38 tokens per second)
+"""
+    run = parse_speculative_log(log)
+    assert (run.tokens, run.seconds, run.forwards) == (65, 0.518, 64)
+    with pytest.raises(ValueError, match="no decode summary"):
+        parse_speculative_log("error: the model could not be loaded")

@@ -70,6 +70,29 @@ class LlamaCpp:
         return n, time.perf_counter() - t_first, (n - 1, self.evals)
 
 
+class LlamaCppSpeculative:
+    """llama.cpp's own speculative loop (`llama-speculative-simple --spec-type ...`, llama_tools), one process a
+    prompt: its decode clock and target forwards from its log (model loading and the prompt's forward excluded)."""
+
+    def __init__(self, binary: Path, gguf: Path, threads: int, tokenizer, name: str, spec_args: list[str]):
+        self.binary, self.gguf, self.threads, self.tokenizer = binary, gguf, threads, tokenizer
+        self.name, self.spec_args = name, spec_args
+
+    def run(self, ids: list[int], max_new: int, stop: int) -> tuple[int, float, tuple[int, int]]:
+        from .llama_tools import run_speculative
+
+        prompt = self.tokenizer.decode(ids, skip_special_tokens=False)  # it tokenizes special tokens back
+        out = run_speculative(self.binary, self.gguf, prompt, max_new, self.threads, self.spec_args)
+        return out.tokens, out.seconds, (out.tokens, out.forwards)
+
+
+# llama.cpp's n-gram speculator: its defaults (drafts of 48-64 tokens after a 24-token match, sized for MoEs on GPUs)
+# and, as its docs/speculative.md suggests for dense models, shorter drafts (2-16) after shorter matches (12)
+NGRAM_MOD = {"llama.cpp-ngram-mod": ["--spec-type", "ngram-mod"],
+             "llama.cpp-ngram-mod-m12-d16": ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "12",
+                                             "--spec-ngram-mod-n-min", "2", "--spec-ngram-mod-n-max", "16"]}
+
+
 class Transformers:
     name = "transformers-ar"
 
@@ -108,6 +131,8 @@ def add_arguments(p) -> None:
     p.add_argument("--budget", type=int, default=8, help="ddtree's node budget")
     p.add_argument("--lookup", default="2,5", help="llama.cpp prompt-lookup draft lengths (empty: none)")
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--ngram-mod", action="store_true", help="also llama.cpp's own ngram-mod speculative decoding "
+                   "(builds llama-speculative-simple from the sdist's llama.cpp once, about ten minutes)")
     p.add_argument("--datasets", default="gsm8k,humaneval,mtbench")
     p.add_argument("--limit", type=int, default=2, help="prompts per set")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -128,6 +153,12 @@ def _systems(args, target):
     gguf = find_embedded_gguf(args.model)
     systems = [LlamaCpp(gguf, args.threads)]
     systems += [LlamaCpp(gguf, args.threads, int(k)) for k in str(args.lookup).split(",") if k.strip()]
+    if args.ngram_mod:
+        from .llama_tools import build_tool
+
+        binary = build_tool()
+        systems += [LlamaCppSpeculative(binary, gguf, args.threads, target.tokenizer, name, spec)
+                    for name, spec in NGRAM_MOD.items()]
     if not args.no_transformers:
         systems.append(Transformers(convert_embedded(args.model), "float32"))
     for m in [m.strip() for m in args.methods.split(",") if m.strip()]:

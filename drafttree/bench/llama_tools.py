@@ -1,0 +1,94 @@
+"""llama.cpp's own command-line tools (`llama-speculative-simple`: its `--spec-type` speculative decoders, `ngram-mod`
+among them), built once from the llama.cpp tree vendored in the pinned llama-cpp-python sdist and cached like the
+kernels: the peers `drafttree bench-peers` runs beside drafttree that llama-cpp-python's Python API does not expose.
+
+The sdist comes from the package registry (`pip download`); cmake and a C++ compiler build the one target (about
+ten minutes on two cores, once per machine)."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..gguf_convert import cache_root
+
+LLAMA_CPP_PYTHON = "0.3.36"  # the pinned peer (pyproject's `peers` extra)
+TOOL = "llama-speculative-simple"
+
+
+def tool_dir() -> Path:
+    return cache_root() / f"llama.cpp-{LLAMA_CPP_PYTHON}"
+
+
+def tool_path(name: str = TOOL) -> Path:
+    return tool_dir() / "build" / "bin" / name
+
+
+def build_tool(name: str = TOOL, jobs: int = 2) -> Path:
+    """The tool's binary, built now unless it is cached; a failed build leaves nothing behind but its log."""
+    binary = tool_path(name)
+    if binary.exists():
+        return binary
+    for program in ("cmake", "c++"):
+        if shutil.which(program) is None:
+            raise RuntimeError(f"building llama.cpp's {name} needs {program} on PATH (Debian: apt install cmake g++)")
+    root = tool_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "build.log"
+    print(f"drafttree: building llama.cpp's {name} from llama-cpp-python {LLAMA_CPP_PYTHON}'s sdist into {root} "
+          f"(once, about ten minutes; log: {log})", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=root) as tmp, open(log, "w") as out:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", tmp,
+                        f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True, stdout=out, stderr=subprocess.STDOUT)
+        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        source = next(Path(tmp).glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"
+        build = root / "build.partial"
+        shutil.rmtree(build, ignore_errors=True)
+        subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+                        "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON",
+                        "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TOOLS=OFF", "-DBUILD_SHARED_LIBS=OFF"],
+                       check=True, stdout=out, stderr=subprocess.STDOUT)
+        subprocess.run(["cmake", "--build", str(build), "--target", name, f"-j{jobs}"], check=True, stdout=out,
+                       stderr=subprocess.STDOUT)
+        shutil.rmtree(root / "build", ignore_errors=True)
+        build.rename(root / "build")  # complete or absent: a half build is never taken for a tool
+    return binary
+
+
+@dataclass(frozen=True)
+class SpeculativeRun:
+    tokens: int  # decoded tokens
+    seconds: float  # the decode loop's own clock (the prompt's forward and model loading excluded)
+    forwards: int  # target decode calls in that loop
+
+
+_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+_TARGET_RUNS = re.compile(r"target:.*?\beval time =\s*[\d.]+ ms /\s*(\d+) runs", re.S)
+
+
+def parse_speculative_log(text: str) -> SpeculativeRun:
+    """The figures `llama-speculative-simple` prints at its end (its log)."""
+    decoded, runs = _DECODED.search(text), _TARGET_RUNS.search(text)
+    if decoded is None or runs is None:
+        tail = "\n".join(text.strip().splitlines()[-15:])
+        raise ValueError(f"llama-speculative-simple printed no decode summary; its last lines:\n{tail}")
+    return SpeculativeRun(int(decoded.group(1)), float(decoded.group(2)), int(runs.group(1)))
+
+
+def run_speculative(binary: Path, gguf: Path, prompt: str, max_new: int, threads: int, spec_args: list[str]
+                    ) -> SpeculativeRun:
+    """One greedy generation of `prompt` (text, special tokens spelled out) with llama.cpp's speculative loop."""
+    # its loop stops once it has decoded more than -n tokens: -n max_new - 1 decodes max_new
+    cmd = [str(binary), "-m", str(gguf), "-p", prompt, "-n", str(max(0, max_new - 1)), "--temp", "0", "--top-k", "1",
+           "-t", str(threads), "-tb", str(threads), "-c", "4096", "--seed", "0", *spec_args]
+    done = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise RuntimeError(f"{binary.name} exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
+    return parse_speculative_log(done.stdout + done.stderr)
