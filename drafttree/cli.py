@@ -145,9 +145,23 @@ def cmd_train(a) -> int:
         from .weaver.train import main as weaver_main
 
         return weaver_main(a.rest)
+    if _option(a.rest, "--engine") == "anchors":  # labels from existing text: its own options (`--engine anchors --help`)
+        from .drafter.anchor_labels import main as anchors_main
+
+        return anchors_main(a.rest)
     from .drafter.datagen import main as datagen_main
 
     return datagen_main(a.rest)
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    """The value of `name` in an argument list passed on whole (`train data ...`), or None."""
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -238,13 +238,18 @@ def test_soft_target_training_lowers_the_loss(tmp_path):
 
 
 def test_train_data_dispatches_to_the_anchor_generator(tmp_path):
-    from drafttree.drafter.datagen import main as datagen_main
+    from types import SimpleNamespace
+
+    from drafttree.cli import cmd_train
     from drafttree.validate import InputError
 
+    def train_data(*rest):
+        return cmd_train(SimpleNamespace(what="data", rest=list(rest)))
+
     with pytest.raises(InputError, match="no text source"):
-        datagen_main(["--engine", "anchors", "--out", str(tmp_path / "d")])
+        train_data("--engine", "anchors", "--out", str(tmp_path / "d"))
     with pytest.raises(InputError, match="--stride"):
-        datagen_main(["--engine=anchors", "--out", str(tmp_path / "d"), "--code", "1", "--stride", "0"])
+        train_data("--engine=anchors", "--out", str(tmp_path / "d"), "--code", "1", "--stride", "0")
 
 
 def test_evaluation_sets_are_filtered_out():

@@ -238,6 +238,9 @@ def check_arguments(a) -> tuple[int, ...]:
     """The options of `train data`, checked before the model loads; returns the capture layer ids."""
     from ..validate import check_finite, check_int, check_model_cache, check_model_dir, check_threads, check_writable
 
+    if a.engine == "anchors":  # its own options and module; the CLI routes it there
+        raise InputError("--engine anchors is drafttree.drafter.anchor_labels: run `drafttree train data --engine "
+                         "anchors ...` (its options: `--engine anchors --help`)")
     if not a.gsm8k and not a.code and not a.sharegpt and not a.package_code:
         raise InputError("no prompt source: give --gsm8k FILE (GSM8K's train jsonl), --code N (stdlib code prompts), "
                          "--package-code N and/or --sharegpt N")
@@ -264,21 +267,8 @@ def check_arguments(a) -> tuple[int, ...]:
     return layers
 
 
-def _engine(argv: list[str]) -> str | None:
-    for i, arg in enumerate(argv):
-        if arg == "--engine" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--engine="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if _engine(argv) == "anchors":  # labels from existing text: its own options (`--engine anchors --help`)
-        from .anchor_labels import main as anchors_main
-
-        return anchors_main(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -315,7 +305,7 @@ def main(argv=None) -> int:
     if not tagged:
         raise InputError("no training prompts: the sources chosen gave none" + (f" (is --gsm8k {a.gsm8k} empty?)"
                                                                                 if a.gsm8k else ""))
-    from .anchor_labels import contaminated, evaluation_ngrams
+    from .sources import contaminated, evaluation_ngrams
 
     grams, checked = evaluation_ngrams()  # a prompt sharing a 13-word run with an evaluation text is dropped
     clean = [(p, src) for p, src in tagged if not contaminated({"messages": [{"content": p}]}, grams)]

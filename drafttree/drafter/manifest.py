@@ -20,7 +20,7 @@ from pathlib import Path
 from ..atomic import atomic_write_text
 from ..datasets import CODE_INSTRUCTION, MATH_INSTRUCTION
 from ..validate import InputError
-from .anchor_labels import SOURCES_INFO
+from .sources import SOURCES_INFO
 
 
 def prompt_digest(prompt: str) -> str:
