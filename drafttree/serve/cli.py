@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 
 from ..compute import add_compute_argument, compute_of
 from ..validate import InputError, check_int, check_positive_int
@@ -112,5 +113,24 @@ def cmd_serve(a) -> int:
     print(f"drafttree serve: http://{a.host}:{a.port}/v1 serving {name} ({target.compute_label}); methods "
           f"{', '.join(methods)} (default {a.method}); {a.max_concurrency} requests decoded at once"
           f"{'; API key required' if api_key else ''}", file=sys.stderr)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+    # The HTTP loop in a thread, the model's rounds here on the main thread that loaded it (Scheduler.run_here says
+    # why); Ctrl-C reaches this thread, which stops both.
+    app.state.scheduler.runs_here = True
+    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level))
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:  # the HTTP loop ended (shut down, or it could not start): the rounds end too
+            app.state.scheduler.stop()
+
+    http = threading.Thread(target=serve_http, name="drafttree-http", daemon=True)
+    http.start()
+    try:
+        app.state.scheduler.run_here()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        http.join(30)
     return 0
