@@ -89,9 +89,10 @@ class Scheduler:
 
     def run_here(self) -> None:
         """The worker on the calling thread until `stop()`. On the thread that loaded the model its rounds run at full
-        speed: torch's OpenMP pool for a second thread doubles the pool threads past two cores, and libgomp then stops
-        spinning between parallel regions (measured on a 2-vCPU Zen 4: a one-token q4 matmul 21 -> 132 µs, one request
-        through the server 50 tok/s against 160 offline)."""
+        speed; on a second thread every parallel region paid ≈ 0.1 ms (2-vCPU Zen 4: a one-token q4 matmul 21 -> 132
+        µs; one AR request through the server 50 tok/s, 125-144 with this). The likely cause: a second OpenMP pool
+        takes the pool threads past the cores, and libgomp then stops spinning between regions (OMP_WAIT_POLICY=
+        PASSIVE makes the main thread as slow; a larger GOMP_SPINCOUNT speeds the second thread up)."""
         self.runs_here = True
         self._run()
 
