@@ -7,7 +7,6 @@ import time
 
 from .compute import add_compute_argument, compute_of
 from .methods import METHODS, add_weaver_args
-from .sampling import SamplingParams
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -24,13 +23,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
-def _sampling(a) -> SamplingParams:
-    return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed)
-
-
 def cmd_generate(a) -> int:
-    from .engine import generate_ar
     from .load import load_target
+    from .methods import generate_with, proposer_with
     from .streaming import TextStream
 
     t0 = time.perf_counter()
@@ -42,15 +37,9 @@ def cmd_generate(a) -> int:
         sys.stdout.write(text.push(tokens))  # complete characters only: no U+FFFD for a split emoji
         sys.stdout.flush()
 
-    if a.method != "ar":
-        from .methods import generate_with, proposer_with
-
-        proposer = proposer_with(a.method, target, a)  # loading and preparing: not decoding time
-        load_s = time.perf_counter() - t0
-        result = generate_with(a.method, target, ids, a, on_tokens=stream, proposer=proposer)
-    else:
-        load_s = time.perf_counter() - t0
-        result = generate_ar(target, ids, a.max_new_tokens, _sampling(a), on_tokens=stream)
+    proposer = proposer_with(a.method, target, a)  # loading and preparing: not decoding time
+    load_s = time.perf_counter() - t0
+    result = generate_with(a.method, target, ids, a, proposer, on_tokens=stream)
     print(text.finish())
     print(f"load {load_s:.2f} s (model, drafter, cost model; not in the figures below)", file=sys.stderr)
     print(result.stats.line(), file=sys.stderr)

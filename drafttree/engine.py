@@ -36,15 +36,12 @@ def verify_input(tree, start: int) -> VerifyInput:
     return VerifyInput.of_tree(tree, start, torch.tensor(tree.principal_path()))
 
 
-def walk_tree(tree, logits: torch.Tensor | TreeLogits, sampling: SamplingParams, gen) -> Acceptance:
-    """Greedy: follow the target's argmax; sampling: sample the target at each visited node (lossless).
-    `logits`: [n, V] for every node, or a TreeLogits (rows computed as the walk reaches them)."""
+def walk_tree(tree, logits: TreeLogits, sampling: SamplingParams, gen) -> Acceptance:
+    """Greedy: follow the target's argmax; sampling: sample the target at each visited node (lossless). The
+    logits of a node are computed when the walk first reaches it."""
     if sampling.greedy:
-        if isinstance(logits, TreeLogits):
-            return accept_greedy(tree, lambda i: int(logits(i).argmax()))
-        return accept_greedy(tree, logits.argmax(-1))
-    return accept_sampling(tree, lambda i: sampling_probs(logits[i] if isinstance(logits, torch.Tensor) else logits(i),
-                                                          sampling), gen)
+        return accept_greedy(tree, lambda i: int(logits(i).argmax()))
+    return accept_sampling(tree, lambda i: sampling_probs(logits(i), sampling), gen)
 
 
 class Sequence:
@@ -149,8 +146,7 @@ class Sequence:
                 self.model.commit(self.state, torch.zeros(1, dtype=torch.long))
             return [int(next_token(res.logits[-1], self.sampling, self.gen))]
         with stats.timed("verify_s"):
-            rows = batch.logits_rows.tolist()
-            logits = TreeLogits(tree, res.logits, rows, res.hidden, self.model.row_logits)
+            logits = TreeLogits(tree, res.logits, batch.logits_rows.tolist(), res.hidden, self.model.row_logits)
             acc = walk_tree(tree, logits, self.sampling, self.gen)
             self.model.commit(self.state, acc.nodes)
         with stats.timed("draft_s"):

@@ -6,7 +6,6 @@ trees (drafttree.weaver) `weaver-ddtree`, `weaver-caddtree` — the one place th
 the benchmark and the server turn a method name into a generation call."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -213,9 +212,7 @@ def proposer_with(method: str, target: Target, args):
                          weaver_width=getattr(args, "weaver_width", DEFAULT_WEAVER_WIDTH))
 
 
-def generate_with(method: str, target: Target, prompt_ids, args, on_tokens=None, proposer=None) -> GenerationResult:
-    """CLI glue: method options from parsed arguments (`proposer`: made already by `proposer_with`)."""
+def generate_with(method: str, target: Target, prompt_ids, args, proposer, on_tokens=None) -> GenerationResult:
+    """CLI glue: sampling options from parsed arguments; `proposer` from `proposer_with` (None for "ar")."""
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    if method != "ar" and proposer is None:
-        proposer = proposer_with(method, target, args)
     return generate(method, target, prompt_ids, args.max_new_tokens, sampling, proposer=proposer, on_tokens=on_tokens)

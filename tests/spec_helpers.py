@@ -4,6 +4,7 @@ import torch
 from drafttree.costmodel import ConvexCost, VerifyCostModel
 from drafttree.drafter.model import DFlashConfig, DFlashDrafter
 from drafttree.load import load_target
+from drafttree.weaver import Weaver, WeaverConfig
 
 
 class TargetCopyProposer:
@@ -60,3 +61,15 @@ def synthetic_cost_model(draft_ms: float = 3.0) -> VerifyCostModel:
     """A cost model the tests share: convex in the verified tokens, flat-ish first, then linear."""
     return VerifyCostModel(context_lens=(0,), curves=(ConvexCost(knots=(1.0, 8.0, 64.0), values=(10.0, 12.0, 40.0)),),
                            draft_ms=draft_ms)
+
+
+def weaver_for(target, drafter, trained: bool = True, seed: int = 0, k: int = 16) -> Weaver:
+    """A small random Weaver for `drafter` (trained: a readout that changes the trees)."""
+    torch.manual_seed(seed)
+    w = Weaver(WeaverConfig(vocab_size=target.model.config.vocab_size, embed_size=target.model.config.hidden_size,
+                            drafter_hidden_size=drafter.config.hidden_size, max_depth=drafter.config.block_size - 1,
+                            hidden_size=32, num_layers=1, num_heads=4, intermediate_size=48, num_candidates=k)).eval()
+    if trained:  # a residual that changes the trees
+        with torch.no_grad():
+            w.readout.weight.normal_(0, 0.5)
+    return w

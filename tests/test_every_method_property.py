@@ -11,8 +11,7 @@ from drafttree.costmodel import ConvexCost, VerifyCostModel
 from drafttree.engine import generate_ar
 from drafttree.load import load_target
 from drafttree.methods import METHODS, Decoder
-from spec_helpers import random_drafter_for
-from test_weaver_methods import weaver_for
+from spec_helpers import random_drafter_for, weaver_for
 from tiny_models import make_tiny_checkpoint
 
 REGIMES = {

@@ -9,19 +9,8 @@ from drafttree.load import load_target
 from drafttree.proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer
 from drafttree.weaver import Weaver, WeaverConfig, WeaverProposer
 from drafttree.weaver.tree import LookaheadWeaverStream, WeaverStream
-from spec_helpers import random_drafter_for, synthetic_cost_model
+from spec_helpers import random_drafter_for, synthetic_cost_model, weaver_for
 
-
-
-def weaver_for(target, drafter, trained: bool = True, seed: int = 0, k: int = 16) -> Weaver:
-    torch.manual_seed(seed)
-    w = Weaver(WeaverConfig(vocab_size=target.model.config.vocab_size, embed_size=target.model.config.hidden_size,
-                            drafter_hidden_size=drafter.config.hidden_size, max_depth=drafter.config.block_size - 1,
-                            hidden_size=32, num_layers=1, num_heads=4, intermediate_size=48, num_candidates=k)).eval()
-    if trained:  # a residual that changes the trees
-        with torch.no_grad():
-            w.readout.weight.normal_(0, 0.5)
-    return w
 
 
 def prompts(n, vocab, seed=0):

@@ -272,7 +272,7 @@ class DFlashDrafter(nn.Module):
         h = block_embeds.to(self.dtype)
         cos, sin = self._rope(pos, h.dtype)
         c, end = ctx.length, ctx.length + B
-        if self.decoder_stack is not None and ctx.k.dtype == torch.float32:
+        if self.decoder_stack is not None:  # float32 weights and context (DecoderStack.of checks the dtype)
             # every layer whole, in one call: the last layer's tail for all rows costs less than its Python calls
             h, _ = self.decoder_stack(h, cos.squeeze(-3), sin.squeeze(-3), ctx, c, torch.ones(B, B, dtype=torch.bool), ())
             return BlockRows(self, h, None)

@@ -46,8 +46,8 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def row_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of rows of `ForwardOutput.hidden`: the same bits as the forward's own logits for those rows
-        on the batch-invariant kernel paths (row-wise norm and head), for rows a walk reaches after the forward."""
+        """fp32 logits of final hidden states (`ForwardOutput.hidden` rows): the forward's own logits, and on the
+        batch-invariant kernel paths (row-wise norm and head) the same bits for rows computed after it."""
         return self.logits(self.norm(hidden))
 
     def _output(self, x: torch.Tensor, captured: dict[int, torch.Tensor], capture_layers: tuple[int, ...],
@@ -59,8 +59,7 @@ class CausalLM(nn.Module):
             features = torch.cat([captured[i] for i in capture_layers], dim=-1)  # in the caller's order
         logits = None
         if logits_rows is None or logits_rows.numel():
-            h = x if logits_rows is None else x[logits_rows]
-            logits = self.logits(self.norm(h))
+            logits = self.row_logits(x if logits_rows is None else x[logits_rows])
         return ForwardOutput(logits=logits, features=features, hidden=x)
 
     def prefill(self, state: ModelState, tokens: torch.Tensor, capture_layers: tuple[int, ...] = ()) -> ForwardOutput:

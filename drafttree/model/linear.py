@@ -13,9 +13,6 @@ from drafttree.ops.int8 import int8_linear, int8_linear_ref, pack_weight, packed
 from drafttree.ops.q4 import pack_q4, q4_linear, quantize_q4_1
 
 
-_NO_BIAS = torch.empty(0)  # what the C++ stack reads as "no bias"
-
-
 class Int8Linear(nn.Module):
     """Drop-in for nn.Linear: y = x·Wᵀ + b with int8 W (per-row scale) and per-row int8 x."""
 
@@ -60,11 +57,11 @@ class Int8Linear(nn.Module):
         return sub
 
     def stack_tensors(self) -> tuple[list[torch.Tensor], int, int] | None:
-        """(tensors, kind 0, n_out) as ops.decoder's C++ stack reads an int8 layer; None for the reference path."""
+        """(tensors, kind 0, n_out) as ops.decoder's C++ stack reads an int8 layer (bias None when it has none);
+        None for the reference path."""
         if self.isa == "reference":
             return None
-        bias = _NO_BIAS if self.bias is None else self.bias
-        return [self.weight_packed, self.weight_scale, self.weight_sum, bias], 0, self.out_features
+        return [self.weight_packed, self.weight_scale, self.weight_sum, self.bias], 0, self.out_features
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, isa={self.isa}"
@@ -90,9 +87,8 @@ class Q4Linear(nn.Module):
         return cls(*quantize_q4_1(linear.weight.detach()), linear.bias, isa)
 
     def stack_tensors(self) -> tuple[list[torch.Tensor], int, int]:
-        """(tensors, kind 1, n_out) as ops.decoder's C++ stack reads a Q4_1 layer."""
-        bias = _NO_BIAS if self.bias is None else self.bias
-        return [self.weight_q4, self.weight_d, self.weight_m, bias], 1, self.out_features
+        """(tensors, kind 1, n_out) as ops.decoder's C++ stack reads a Q4_1 layer (bias None when it has none)."""
+        return [self.weight_q4, self.weight_d, self.weight_m, self.bias], 1, self.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = q4_linear(x.reshape(-1, self.in_features), self.weight_q4, self.weight_d, self.weight_m, self.bias,

@@ -184,7 +184,7 @@ class Transformer(CausalLM):
                 captured[i] = x
         rows = [torch.arange(a, b) if batch.logits_rows is None else a + batch.logits_rows
                 for (a, b, _, _), batch in zip(segments, batches)]
-        logits = self.logits(self.norm(x[torch.cat(rows)])).split([r.numel() for r in rows])
+        logits = self.row_logits(x[torch.cat(rows)]).split([r.numel() for r in rows])
         out = []
         for st, (a, b, _, _), layers, lg in zip(states, segments, capture_layers, logits):
             st.kv.pending = b - a

@@ -67,8 +67,10 @@ def _json(status: int, body: dict) -> JSONResponse:
 
 def create_app(target, decoder, *, model_id: str | None = None, methods=None, default_method: str = "caddtree-online",
                api_key: str | None = None, max_concurrency: int = 8, max_waiting: int = 1024,
-               max_body_bytes: int = MAX_BODY_BYTES, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
-    """The app serving `target` through `decoder` (drafttree.methods.Decoder: `.sequence(method, ...)`)."""
+               max_body_bytes: int = MAX_BODY_BYTES, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+               worker_thread: bool = True) -> FastAPI:
+    """The app serving `target` through `decoder` (drafttree.methods.Decoder: `.sequence(method, ...)`).
+    `worker_thread` False: the caller runs the rounds (`app.state.scheduler.run_here()`, as `drafttree serve` does)."""
     if methods is None:
         from ..methods import METHODS as methods
     methods = tuple(methods)
@@ -84,7 +86,7 @@ def create_app(target, decoder, *, model_id: str | None = None, methods=None, de
     encode_lock = threading.Lock()
     if hasattr(decoder, "prepare"):  # a fake decoder in tests has none
         decoder.prepare(methods)  # every method's proposer now (drafter, cost model), not on a request
-    scheduler = Scheduler(decoder, max_concurrency=max_concurrency, max_waiting=max_waiting)
+    scheduler = Scheduler(decoder, max_concurrency=max_concurrency, max_waiting=max_waiting, worker_thread=worker_thread)
     created = P.now()
 
     @contextlib.asynccontextmanager

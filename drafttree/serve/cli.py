@@ -109,13 +109,12 @@ def cmd_serve(a) -> int:
     name = a.served_model_name or a.model
     app = create_app(target, decoder, model_id=name, methods=methods, default_method=a.method, api_key=api_key,
                      max_concurrency=a.max_concurrency, max_waiting=a.max_waiting, max_body_bytes=a.max_body_bytes,
-                     default_max_tokens=a.default_max_tokens)
+                     default_max_tokens=a.default_max_tokens, worker_thread=False)
     print(f"drafttree serve: http://{a.host}:{a.port}/v1 serving {name} ({target.compute_label}); methods "
           f"{', '.join(methods)} (default {a.method}); {a.max_concurrency} requests decoded at once"
           f"{'; API key required' if api_key else ''}", file=sys.stderr)
     # The HTTP loop in a thread, the model's rounds here on the main thread that loaded it (Scheduler.run_here says
     # why); Ctrl-C reaches this thread, which stops both.
-    app.state.scheduler.runs_here = True
     server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level))
 
     def serve_http() -> None:

@@ -62,7 +62,7 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, decoder, max_concurrency: int = 8, max_waiting: int = 1024):
+    def __init__(self, decoder, max_concurrency: int = 8, max_waiting: int = 1024, worker_thread: bool = True):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.decoder = decoder
@@ -73,7 +73,7 @@ class Scheduler:
         self._state_bytes = 0  # of the active Sequences, refreshed by the worker after every turn
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.runs_here = False  # run_here(): the worker is a caller's thread, start() spawns none
+        self.worker_thread = worker_thread  # False: the caller runs the worker (run_here) and start() spawns none
         self._working = False  # the worker loop is running (its own thread or run_here's)
         self.counts = collections.Counter()  # finished, cancelled, failed, tokens
 
@@ -82,7 +82,7 @@ class Scheduler:
     def start(self) -> None:
         """The worker in a thread of its own (tests, an app served by someone else's loop); `drafttree serve` runs it
         on the main thread instead (`run_here`)."""
-        if self._thread is None and not self.runs_here:
+        if self._thread is None and self.worker_thread:
             self._stopping, self._working = False, True  # alive from now: a health check may come first
             self._thread = threading.Thread(target=self._run, name="drafttree-scheduler", daemon=True)
             self._thread.start()
@@ -93,7 +93,9 @@ class Scheduler:
         µs; one AR request through the server 50 tok/s, 125-144 with this). The likely cause: a second OpenMP pool
         takes the pool threads past the cores, and libgomp then stops spinning between regions (OMP_WAIT_POLICY=
         PASSIVE makes the main thread as slow; a larger GOMP_SPINCOUNT speeds the second thread up)."""
-        self.runs_here = True
+        if self.worker_thread:
+            raise RuntimeError("this scheduler starts a worker thread of its own: make it with worker_thread=False "
+                               "to run the worker here")
         self._run()
 
     def stop(self, timeout: float = 30.0) -> None:

@@ -19,11 +19,16 @@ class StackLinear(Protocol):
     isa: str
 
     def stack_tensors(self) -> tuple[list[torch.Tensor], int, int] | None:
-        """(tensors, kind: 0 int8 / 1 Q4_1, n_out) in decoder_stack.cpp's order, or None (a reference path)."""
+        """(tensors, kind: 0 int8 / 1 Q4_1, n_out) in decoder_stack.cpp's order (the last, the bias, may be None),
+        or None (a reference path)."""
 
 
 def _linear_tensors(linear) -> tuple[list[torch.Tensor], int, int] | None:
-    return linear.stack_tensors() if isinstance(linear, StackLinear) else None
+    found = linear.stack_tensors() if isinstance(linear, StackLinear) else None
+    if found is None:
+        return None
+    tensors, kind, n_out = found
+    return [_NONE if t is None else t for t in tensors], kind, n_out  # the C++ side reads "none" as empty
 
 
 class StackLayer(NamedTuple):
