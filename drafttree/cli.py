@@ -41,7 +41,7 @@ def cmd_generate(a) -> int:
     load_s = time.perf_counter() - t0
     result = generate_with(a.method, target, ids, a, proposer, on_tokens=stream)
     print(text.finish())
-    print(f"load {load_s:.2f} s (model, drafter, cost model; not in the figures below)", file=sys.stderr)
+    print(f"load {load_s:.2f} s (the model and what the method prepares; not in the figures below)", file=sys.stderr)
     print(result.stats.line(), file=sys.stderr)
     return 0
 
