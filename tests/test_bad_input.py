@@ -647,7 +647,7 @@ def test_stale_partial_shards_are_removed(tmp_path):
     (["--sampled-fraction", "nan"], ["--sampled-fraction"]), (["--layers", "1,x"], ["--layers"]),
     (["--layers", "1,1"], ["--layers", "distinct"]), (["--layers", ""], ["--layers"]), (["--threads", "0"], ["threads"]),
     (["--part", "2/2"], ["--part", "K/N"]), (["--part", "half"], ["--part", "K/N"]),
-    (["--top-k", "4"], ["--top-k", "--engine hf"]), (["--top-k", "-1"], ["--top-k"]),
+    (["--engine", "packed", "--top-k", "4"], ["--top-k", "--engine drafttree or hf"]), (["--compute", "q5"], ["--compute", "q4"]), (["--top-k", "-1"], ["--top-k"]),
     (["--skip-seen", "nope.json"], ["--skip-seen", "data manifest"]), (["--package-code", "-1"], ["--package-code"]),
     (["--package-code", "5", "--code-packages", "numpy,leftpad"], ["--code-packages", "leftpad", "licence"]),
 ])

@@ -224,13 +224,18 @@ def length_sorted(prompts: list[str], lengths: list[int], window: int) -> list[s
 def make_decoder(a, target, layers, stops, done: int):
     """(prompt ids list, sampling, seed) -> [(tokens, features, prompt_len)] for the chosen engine."""
     model = target.model
+    gen = torch.Generator().manual_seed(a.seed + done)
+    if a.engine == "drafttree":
+        from .runtime_replies import generate_runtime
+
+        return lambda ids, mode, seed: generate_runtime(model, ids, a.max_new_tokens, mode, layers, stops, gen,
+                                                        a.top_k, a.width)
     if a.engine == "hf":
         from .batched_replies import generate_batch, hf_model_for
 
         hf, pad = hf_model_for(target, model.dtype)
         return lambda ids, mode, seed: generate_batch(hf, ids, a.max_new_tokens, mode, layers, stops, pad, seed,
                                                       a.top_k)
-    gen = torch.Generator().manual_seed(a.seed + done)
     return lambda ids, mode, seed: generate_packed(model, ids, a.max_new_tokens, mode, layers, stops, gen)
 
 
@@ -249,13 +254,18 @@ def check_arguments(a) -> tuple[int, ...]:
     if a.package_code:
         code_package_roots(code_packages(a))
     check_int("--top-k", a.top_k, minimum=0)
-    if a.top_k and a.engine != "hf":
-        raise InputError(f"--top-k {a.top_k} needs --engine hf (the packed engine does not keep the target's top-k)")
-    for name in ("batch", "max_new_tokens", "max_prompt_tokens", "limit", "gsm8k_limit"):
+    if a.top_k and a.engine == "packed":
+        raise InputError(f"--top-k {a.top_k} needs --engine drafttree or hf (the packed engine does not keep the "
+                         "target's top-k)")
+    for name in ("batch", "width", "max_new_tokens", "max_prompt_tokens", "limit", "gsm8k_limit"):
         if getattr(a, name) is not None:
             check_int("--" + name.replace("_", "-"), getattr(a, name), minimum=1)
     if not 0.0 <= check_finite("--sampled-fraction", a.sampled_fraction) <= 1.0:
         raise InputError(f"--sampled-fraction must be in [0, 1], got {a.sampled_fraction}")
+    from ..compute import PATHS
+
+    if a.compute not in (*PATHS, "auto"):
+        raise InputError(f"--compute {a.compute!r}: choose auto or one of {', '.join(PATHS)}")
     layers = parse_layer_ids(a.layers)
     parse_part(a.part)
     check_threads(a.threads)
@@ -284,12 +294,17 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-seen", help="a data manifest (e.g. the shipped drafter's data-manifest.json): its prompts "
                     "are left out, so a fine-tuning round sees new ones")
     ap.add_argument("--layers", default="1,7,14,20,27", help="target layer ids whose outputs are captured")
-    ap.add_argument("--engine", choices=("packed", "hf", "anchors"), default="packed",
-                    help="packed: the lean runtime, prompts packed in one cache; hf: transformers' batched generate; "
+    ap.add_argument("--engine", choices=("drafttree", "packed", "hf", "anchors"), default="drafttree",
+                    help="drafttree: this runtime on --compute, --width sequences in one batched forward a step "
+                    "(the replies of the model users run); packed: prompts packed in one cache (slower); hf: "
+                    "transformers' batched generate; "
                     "anchors: the target's greedy blocks after anchors of existing text (drafttree.drafter."
                     "anchor_labels; see `--engine anchors --help`)")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--top-k", type=int, default=0, help="hf engine: store the target's top-k at each reply token "
+    ap.add_argument("--batch", type=int, default=16, help="prompts per shard (and per resumable step)")
+    ap.add_argument("--width", type=int, default=64, help="drafttree engine: sequences decoded together")
+    ap.add_argument("--compute", default="auto", help="drafttree engine: the compute path (auto: the fastest here, "
+                    "q4 for the embedded GGUF model; int8, bf16, fp32)")
+    ap.add_argument("--top-k", type=int, default=0, help="drafttree and hf engines: store the target's top-k at each reply token "
                     "(soft targets for `train drafter --soft-target-weight`)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-tokens", type=int, default=400, help="longer prompts are skipped")
@@ -316,7 +331,8 @@ def main(argv=None) -> int:
 
     from ..load import load_target
 
-    target = load_target(a.model, dtype=a.dtype, threads=a.threads)
+    target = load_target(a.model, dtype=a.dtype, threads=a.threads,
+                         compute=a.compute if a.engine == "drafttree" else None)
     if max(layers) >= target.model.config.num_layers:
         raise InputError(f"--layers {a.layers}: the target has {target.model.config.num_layers} layers "
                          f"(ids 0..{target.model.config.num_layers - 1})")
@@ -328,6 +344,7 @@ def main(argv=None) -> int:
     progress_file = out / f"progress-{a.engine}-seed{a.seed}.json"
     done = json.loads(progress_file.read_text())["prompts_done"] if progress_file.exists() else 0
     manifest = DataManifest(out, {"engine": a.engine, "target": a.model, "dtype": a.dtype, "seed": a.seed,
+                                  **({"compute": a.compute, "width": a.width} if a.engine == "drafttree" else {}),
                                   "part": a.part, "max_new_tokens": a.max_new_tokens, "top_k": a.top_k,
                                   "sampled_fraction": a.sampled_fraction, "capture_layers": list(layers),
                                   "sources_requested": {"gsm8k": a.gsm8k, "gsm8k_limit": a.gsm8k_limit,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from drafttree.ops.attention import rope_tree_attention
+from drafttree.ops.attention import rope_tree_attention, rope_tree_attention_batched
 
 from .config import ModelConfig
 from .decoder import CausalLM, ForwardOutput
@@ -55,11 +55,11 @@ class Attention(nn.Module):
     def forward_segments(self, x, cos, sin, segments, layer: int) -> torch.Tensor:
         """Rows of several requests: the projections once over all rows, attention per request against its
         own cache (segments: (first row, end row, AttentionMask, KVCache)); kernel path only."""
-        qkv = self.qkv(x)
-        outs = [rope_tree_attention(qkv[a:b], cos[a:b], sin[a:b], cache.k[layer], cache.v[layer], mask.past,
-                                    mask.tree, self.n_heads, self.n_kv, mask.kernel_isa, self.q_norm, self.k_norm)
-                for a, b, mask, cache in segments]
-        return self.o(torch.cat(outs))
+        out = rope_tree_attention_batched(self.qkv(x), cos, sin, [(a, b, mask.past, mask.tree, cache)
+                                                                 for a, b, mask, cache in segments],
+                                          layer, self.n_heads, self.n_kv, segments[0][2].kernel_isa, self.q_norm,
+                                          self.k_norm)
+        return self.o(out)
 
 
 class DecoderLayer(nn.Module):

@@ -9,6 +9,13 @@ torch::Tensor rope_tree_attention(torch::Tensor qkv, torch::Tensor cos, torch::T
                                   torch::Tensor vc, int64_t past, c10::optional<torch::Tensor> visible,
                                   int64_t n_heads, int64_t n_kv, double scale, c10::optional<torch::Tensor> q_norm,
                                   c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa);
+torch::Tensor rope_tree_attention_batched(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                          const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs,
+                                          const std::vector<int64_t>& pasts,
+                                          const std::vector<c10::optional<torch::Tensor>>& visibles,
+                                          const std::vector<int64_t>& row_ends, int64_t n_heads, int64_t n_kv,
+                                          double scale, c10::optional<torch::Tensor> q_norm,
+                                          c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa);
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m,
                         c10::optional<torch::Tensor> bias, int64_t n_out, int64_t isa);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, int64_t isa);
@@ -24,6 +31,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "int8 x int8 linear with per-row scales on packed weights (ops/int8)");
   m.def("tree_attention", &tree_attention, "row-by-row attention against a KV cache (ops/attention)");
   m.def("rope_tree_attention", &rope_tree_attention, "RoPE + KV-cache write + tree_attention (ops/attention)");
+  m.def("rope_tree_attention_batched", &rope_tree_attention_batched,
+        "rope_tree_attention for several requests' rows, each against its own cache (ops/attention)");
   m.def("q4_linear", &q4_linear, "GGUF Q4_1 blocks x per-row int8 activations (ops/q4)");
   m.def("rms_norm", &rms_norm, "row-wise RMSNorm (ops/pointwise)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (ops/pointwise)");

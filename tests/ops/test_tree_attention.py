@@ -62,3 +62,38 @@ def test_query_heads_side_by_side_equal_one_head_at_a_time(isa, group, d):
     for g in range(group):
         alone = tree_attention(q.view(kv_heads, group, t, d)[:, g].contiguous(), keys, values, past, tree, d**-0.5, isa)
         assert torch.equal(alone, full[:, g])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_batched_requests_equal_each_request_alone(isa, qk_norm):
+    """Several requests' rows in one rope_tree_attention_batched call: each request's output and cache rows
+    are the bits of its own rope_tree_attention call (the serving and data-generation batches rely on it)."""
+    from types import SimpleNamespace
+
+    from drafttree.model.layers import RMSNorm
+    from drafttree.ops.attention import rope_tree_attention, rope_tree_attention_batched
+
+    n_heads, n_kv, d, lmax = 6, 2, 64, 64
+    gen = torch.Generator().manual_seed(int(qk_norm))
+    norms = (RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)) if qk_norm else (None, None)
+    for m in filter(None, norms):
+        m.weight.data = torch.rand(d, generator=gen) + 0.5
+    requests = [(1, 30, None), (5, 0, ancestor_mask([-1, 0, 0, 1, 3])), (1, 0, None), (3, 47, ancestor_mask([-1, 0, 1]))]
+    caches = [SimpleNamespace(k=[torch.randn(n_kv, lmax, d, generator=gen)], v=[torch.randn(n_kv, lmax, d, generator=gen)])
+              for _ in requests]
+    rows = sum(t for t, _, _ in requests)
+    qkv = torch.randn(rows, (n_heads + 2 * n_kv) * d, generator=gen)
+    angles = torch.rand(rows, d, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    alone_caches = [SimpleNamespace(k=[c.k[0].clone()], v=[c.v[0].clone()]) for c in caches]
+    segments, a = [], 0
+    for (t, past, mask), cache in zip(requests, caches):
+        segments.append((a, a + t, past, mask, cache))
+        a += t
+    out = rope_tree_attention_batched(qkv, cos, sin, segments, 0, n_heads, n_kv, isa, *norms)
+    for (a, b, past, mask, _), cache, alone in zip(segments, caches, alone_caches):
+        one = rope_tree_attention(qkv[a:b], cos[a:b], sin[a:b], alone.k[0], alone.v[0], past, mask, n_heads, n_kv, isa,
+                                  *norms)
+        assert torch.equal(out[a:b], one)
+        assert torch.equal(cache.k[0], alone.k[0]) and torch.equal(cache.v[0], alone.v[0])

@@ -14,7 +14,7 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pa
     return extension().tree_attention(q, keys, values, past, visible, scale, ISA_CODES[isa])
 
 
-__all__ = ["rope_tree_attention", "tree_attention", "tree_attention_ref", "visible_keys"]
+__all__ = ["rope_tree_attention", "rope_tree_attention_batched", "tree_attention", "tree_attention_ref", "visible_keys"]
 
 
 def rope_tree_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -28,3 +28,16 @@ def rope_tree_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return extension().rope_tree_attention(qkv, cos, sin, k_cache, v_cache, past, visible, n_heads, n_kv, d**-0.5,
                                            None if q_norm is None else q_norm.weight,
                                            None if k_norm is None else k_norm.weight, eps, ISA_CODES[isa])
+
+
+def rope_tree_attention_batched(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments, layer: int,
+                                n_heads: int, n_kv: int, isa: str, q_norm=None, k_norm=None) -> torch.Tensor:
+    """`rope_tree_attention` over the rows of several requests in one call, each against its own cache:
+    segments are (first row, end row, past, visible [T, T] or None, KVCache) in row order. A request's
+    rows get the bits `rope_tree_attention` gives them alone."""
+    d = segments[0][4].k[layer].shape[-1]
+    eps = q_norm.eps if q_norm is not None else 0.0
+    return extension().rope_tree_attention_batched(
+        qkv, cos, sin, [s[4].k[layer] for s in segments], [s[4].v[layer] for s in segments],
+        [s[2] for s in segments], [s[3] for s in segments], [s[1] for s in segments], n_heads, n_kv, d**-0.5,
+        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight, eps, ISA_CODES[isa])

@@ -356,37 +356,48 @@ int64_t visible_idx(const Problem& pb, int64_t t, int32_t* idx) {
   return n;
 }
 
+// Every item of several problems (one per request of a batch) in one parallel loop; q_and_out(p, h, g, t)
+// gives problem p's query and output rows. An item runs the same instructions whatever else is in the
+// loop, so a request's rows get the same bits alone or batched.
 template <typename QOut>
-void run_rows(const Problem& pb, QOut q_and_out) {
-  int64_t fast = pb.isa;
-  if ((fast == kAvx512 && (pb.d % 16 || pb.d > 128)) || (fast == kAvx2 && pb.d % 8)) fast = kScalar;
-  const Grouped grouped = fast == kAvx512 ? grouped_avx512(pb.d) : fast == kAvx2 ? grouped_avx2(pb.d) : Grouped{nullptr, 0};
-  if (grouped.fns) {  // one item per (kv head, new row, group of its query heads): they see the same keys
-    const int64_t gs = std::min(pb.G, grouped.max_group), groups = (pb.G + gs - 1) / gs;
-    at::parallel_for(0, pb.H * pb.T * groups, 1, [&](int64_t begin, int64_t end) {
-      std::vector<int32_t> idx(pb.past + pb.T);
-      std::vector<float> w(gs * (pb.past + pb.T));
-      Row rows[4];
-      for (int64_t it = begin; it < end; ++it) {
-        const int64_t h = it / (pb.T * groups), t = it / groups % pb.T, g0 = it % groups * gs;
+void run_rows(const std::vector<Problem>& pbs, QOut q_and_out) {
+  if (pbs.empty()) return;
+  const Problem& first = pbs.front();  // d and isa are the same for every problem
+  int64_t fast = first.isa;
+  if ((fast == kAvx512 && (first.d % 16 || first.d > 128)) || (fast == kAvx2 && first.d % 8)) fast = kScalar;
+  const Grouped grouped = fast == kAvx512 ? grouped_avx512(first.d) : fast == kAvx2 ? grouped_avx2(first.d) : Grouped{nullptr, 0};
+  // one item per (kv head, new row, group of its query heads) when grouped: they see the same keys
+  const int64_t gs = grouped.fns ? std::min(first.G, grouped.max_group) : 1, groups = (first.G + gs - 1) / gs;
+  std::vector<int64_t> ends(pbs.size());
+  int64_t total = 0, widest = 0;
+  for (size_t p = 0; p < pbs.size(); ++p) {
+    total += pbs[p].H * pbs[p].T * (grouped.fns ? groups : pbs[p].G);
+    ends[p] = total;
+    widest = std::max(widest, pbs[p].past + pbs[p].T);
+  }
+  at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> idx(widest);
+    std::vector<float> w(gs * widest);
+    Row rows[4];
+    int64_t p = std::upper_bound(ends.begin(), ends.end(), begin) - ends.begin();
+    for (int64_t it = begin; it < end; ++it) {
+      while (it >= ends[p]) ++p;
+      const Problem& pb = pbs[p];
+      const int64_t local = it - (p ? ends[p - 1] : 0);
+      if (grouped.fns) {
+        const int64_t h = local / (pb.T * groups), t = local / groups % pb.T, g0 = local % groups * gs;
         const int64_t n = visible_idx(pb, t, idx.data()), gn = std::min(gs, pb.G - g0);
         for (int64_t g = 0; g < gn; ++g) {
-          const auto [q, out] = q_and_out(h, g0 + g, t);
+          const auto [q, out] = q_and_out(p, h, g0 + g, t);
           rows[g] = Row{q, pb.keys + h * pb.key_head_stride, pb.values + h * pb.value_head_stride, idx.data(), n,
-                        pb.d, pb.scale, w.data() + g * (pb.past + pb.T), out};
+                        pb.d, pb.scale, w.data() + g * widest, out};
         }
         grouped.fns[gn - 1](rows);
+        continue;
       }
-    });
-    return;
-  }
-  at::parallel_for(0, pb.H * pb.G * pb.T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> idx(pb.past + pb.T);
-    std::vector<float> w(pb.past + pb.T);
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t h = it / (pb.G * pb.T), g = it / pb.T % pb.G, t = it % pb.T;
+      const int64_t h = local / (pb.G * pb.T), g = local / pb.T % pb.G, t = local % pb.T;
       const int64_t n = visible_idx(pb, t, idx.data());
-      const auto [q, out] = q_and_out(h, g, t);
+      const auto [q, out] = q_and_out(p, h, g, t);
       const Row row{q, pb.keys + h * pb.key_head_stride, pb.values + h * pb.value_head_stride, idx.data(), n, pb.d,
                     pb.scale, w.data(), out};
       if (fast == kAvx512)
@@ -452,12 +463,71 @@ torch::Tensor tree_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor 
   const float* qp = q.data_ptr<float>();
   const Problem pb{H, R / T, T, past, d, vis, keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0),
                    values.stride(0), static_cast<float>(scale), isa};
-  run_rows(pb, [&](int64_t h, int64_t g, int64_t t) {
+  run_rows({pb}, [&](int64_t, int64_t h, int64_t g, int64_t t) {
     const int64_t r = (h * pb.G + g) * T + t;
     return std::pair<const float*, float*>{qp + r * d, op + r * d};
   });
   return out;
 }
+
+namespace {
+
+// What rope_tree_attention and its batched form share: the checks, the norms, and one request's rows.
+struct RopeArgs {
+  int64_t n_heads, n_kv, d, width;
+  const float *qn, *kn;
+  float eps, scale;
+  int64_t isa;
+};
+
+RopeArgs rope_args(const torch::Tensor& qkv, const torch::Tensor& kc, int64_t n_heads, int64_t n_kv, double scale,
+                   const torch::Tensor& qn, const torch::Tensor& kn, double norm_eps, int64_t isa) {
+  TORCH_CHECK(qkv.scalar_type() == torch::kFloat32, "rope_tree_attention: float32 tensors only");
+  const int64_t d = kc.size(2);
+  TORCH_CHECK(n_heads % n_kv == 0 && qkv.size(1) == (n_heads + 2 * n_kv) * d,
+              "rope_tree_attention: qkv width does not match the heads");
+  TORCH_CHECK(d <= 256, "rope_tree_attention: head_dim above 256");
+  return RopeArgs{n_heads, n_kv, d, qkv.size(1), qn.defined() ? qn.data_ptr<float>() : nullptr,
+                  kn.defined() ? kn.data_ptr<float>() : nullptr, static_cast<float>(norm_eps),
+                  static_cast<float>(scale), isa};
+}
+
+torch::Tensor norm_weight(const c10::optional<torch::Tensor>& w) {
+  return w.has_value() && w->defined() ? w->to(torch::kFloat32).contiguous() : torch::Tensor();
+}
+
+// One request's T rows (qkv rows `src`, cos/sin rows `cp`/`sp`): q rotated into qp [n_heads, T, d], k
+// rotated and v copied into the cache rows [past, past + T) of kc/vc [Hkv, Lmax, d]. Returns its Problem.
+Problem rope_rows(const RopeArgs& a, const float* src, const float* cp, const float* sp, int64_t T,
+                  const torch::Tensor& kc, const torch::Tensor& vc, int64_t past, const bool* vis, float* qp) {
+  TORCH_CHECK(kc.scalar_type() == torch::kFloat32 && vc.scalar_type() == torch::kFloat32,
+              "rope_tree_attention: float32 tensors only");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 3 && kc.sizes() == vc.sizes() &&
+                  kc.size(0) == a.n_kv && kc.size(2) == a.d,
+              "rope_tree_attention: kc/vc must be contiguous [Hkv, Lmax, d]");
+  TORCH_CHECK(past >= 0 && past + T <= kc.size(1), "rope_tree_attention: the cache has no room for T new rows");
+  const int64_t d = a.d, Lmax = kc.size(1);
+  float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = src + t * a.width;
+    for (int64_t h = 0; h < a.n_heads; ++h) rope(row + h * d, cp + t * d, sp + t * d, d, a.qn, a.eps, qp + (h * T + t) * d);
+    for (int64_t h = 0; h < a.n_kv; ++h) {
+      rope(row + (a.n_heads + h) * d, cp + t * d, sp + t * d, d, a.kn, a.eps, kp + (h * Lmax + past + t) * d);
+      std::memcpy(vp + (h * Lmax + past + t) * d, row + (a.n_heads + a.n_kv + h) * d, d * sizeof(float));
+    }
+  }
+  return Problem{a.n_kv, a.n_heads / a.n_kv, T, past, d, vis, kp, vp, Lmax * d, Lmax * d, a.scale, a.isa};
+}
+
+}  // namespace
+
+torch::Tensor rope_tree_attention_batched(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                          const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs,
+                                          const std::vector<int64_t>& pasts,
+                                          const std::vector<c10::optional<torch::Tensor>>& visibles,
+                                          const std::vector<int64_t>& row_ends, int64_t n_heads, int64_t n_kv,
+                                          double scale, c10::optional<torch::Tensor> q_norm,
+                                          c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa);
 
 // The attention half of a decoder layer in one call: RoPE on q and k of the fused projection qkv
 // [T, (Hq + 2 Hkv) d], the new k/v written to the cache rows [past, past + T) of kc/vc [Hkv, Lmax, d],
@@ -466,45 +536,51 @@ torch::Tensor rope_tree_attention(torch::Tensor qkv, torch::Tensor cos, torch::T
                                   torch::Tensor vc, int64_t past, c10::optional<torch::Tensor> visible,
                                   int64_t n_heads, int64_t n_kv, double scale, c10::optional<torch::Tensor> q_norm,
                                   c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa) {
-  TORCH_CHECK(qkv.scalar_type() == torch::kFloat32 && kc.scalar_type() == torch::kFloat32 &&
-                  vc.scalar_type() == torch::kFloat32, "rope_tree_attention: float32 tensors only");
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 3 && kc.sizes() == vc.sizes(),
-              "rope_tree_attention: kc/vc must be contiguous [Hkv, Lmax, d]");
-  const int64_t T = qkv.size(0), d = kc.size(2), G = n_heads / n_kv;
-  TORCH_CHECK(kc.size(0) == n_kv && n_heads % n_kv == 0 && qkv.size(1) == (n_heads + 2 * n_kv) * d,
-              "rope_tree_attention: qkv width does not match the heads");
-  TORCH_CHECK(past + T <= kc.size(1), "rope_tree_attention: the cache has no room for T new rows");
-  int64_t Tm = T;
-  torch::Tensor vis_c;
-  const bool* vis = mask_ptr(visible, vis_c, Tm);
-  TORCH_CHECK(Tm == T, "rope_tree_attention: visible must be [T, T]");
-  TORCH_CHECK(d <= 256, "rope_tree_attention: head_dim above 256");
-  torch::Tensor qn, kn;
-  if (q_norm.has_value() && q_norm->defined()) qn = q_norm->to(torch::kFloat32).contiguous();
-  if (k_norm.has_value() && k_norm->defined()) kn = k_norm->to(torch::kFloat32).contiguous();
-  const float* qnp = qn.defined() ? qn.data_ptr<float>() : nullptr;
-  const float* knp = kn.defined() ? kn.data_ptr<float>() : nullptr;
-  const float eps = static_cast<float>(norm_eps);
+  return rope_tree_attention_batched(qkv, cos, sin, {kc}, {vc}, {past}, {visible}, {qkv.size(0)}, n_heads, n_kv,
+                                     scale, q_norm, k_norm, norm_eps, isa);
+}
+
+// rope_tree_attention for the rows of several requests (row_ends: where each one's rows end in qkv),
+// each against its own cache with its own mask, in one call: every request's rows get the bits they get
+// alone, without one call (and one thread fork) per request and layer.
+torch::Tensor rope_tree_attention_batched(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                          const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs,
+                                          const std::vector<int64_t>& pasts,
+                                          const std::vector<c10::optional<torch::Tensor>>& visibles,
+                                          const std::vector<int64_t>& row_ends, int64_t n_heads, int64_t n_kv,
+                                          double scale, c10::optional<torch::Tensor> q_norm,
+                                          c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa) {
+  const size_t S = row_ends.size();
+  TORCH_CHECK(S > 0 && kcs.size() == S && vcs.size() == S && pasts.size() == S && visibles.size() == S,
+              "rope_tree_attention: one cache, past and mask per request");
+  TORCH_CHECK(row_ends.back() == qkv.size(0), "rope_tree_attention: row_ends must end at qkv's rows");
+  const torch::Tensor qn = norm_weight(q_norm), kn = norm_weight(k_norm);
+  const RopeArgs a = rope_args(qkv, kcs[0], n_heads, n_kv, scale, qn, kn, norm_eps, isa);
   qkv = qkv.contiguous();
   cos = cos.to(torch::kFloat32).contiguous();
   sin = sin.to(torch::kFloat32).contiguous();
-  auto qrot = torch::empty({n_heads, T, d}, qkv.options());
-  auto out = torch::empty({T, n_heads * d}, qkv.options());
+  const int64_t R = qkv.size(0), d = a.d;
+  auto qrot = torch::empty({R * n_heads * d}, qkv.options());  // request s: [n_heads, T_s, d] from row_start * n_heads * d
+  auto out = torch::empty({R, n_heads * d}, qkv.options());
   const float *src = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *qp = qrot.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>(), *op = out.data_ptr<float>();
-  const int64_t width = qkv.size(1), Lmax = kc.size(1);
-  for (int64_t t = 0; t < T; ++t) {
-    const float* row = src + t * width;
-    for (int64_t h = 0; h < n_heads; ++h) rope(row + h * d, cp + t * d, sp + t * d, d, qnp, eps, qp + (h * T + t) * d);
-    for (int64_t h = 0; h < n_kv; ++h) {
-      rope(row + (n_heads + h) * d, cp + t * d, sp + t * d, d, knp, eps, kp + (h * Lmax + past + t) * d);
-      std::memcpy(vp + (h * Lmax + past + t) * d, row + (n_heads + n_kv + h) * d, d * sizeof(float));
-    }
+  float *qp = qrot.data_ptr<float>(), *op = out.data_ptr<float>();
+  std::vector<torch::Tensor> masks(S);
+  std::vector<Problem> pbs;
+  std::vector<int64_t> starts;
+  for (size_t s = 0, a0 = 0; s < S; a0 = row_ends[s++]) {
+    const int64_t T = row_ends[s] - a0;
+    TORCH_CHECK(T > 0, "rope_tree_attention: every request needs a row");
+    int64_t Tm = T;
+    const bool* vis = mask_ptr(visibles[s], masks[s], Tm);
+    TORCH_CHECK(Tm == T, "rope_tree_attention: visible must be [T, T]");
+    pbs.push_back(rope_rows(a, src + a0 * a.width, cp + a0 * d, sp + a0 * d, T, kcs[s], vcs[s], pasts[s], vis,
+                            qp + a0 * n_heads * d));
+    starts.push_back(a0);
   }
-  const Problem pb{n_kv, G, T, past, d, vis, kp, vp, Lmax * d, Lmax * d, static_cast<float>(scale), isa};
-  run_rows(pb, [&](int64_t h, int64_t g, int64_t t) {
-    const int64_t head = h * G + g;
-    return std::pair<const float*, float*>{qp + (head * T + t) * d, op + t * n_heads * d + head * d};
+  run_rows(pbs, [&](int64_t p, int64_t h, int64_t g, int64_t t) {
+    const int64_t head = h * pbs[p].G + g, a0 = starts[p];
+    return std::pair<const float*, float*>{qp + a0 * n_heads * d + (head * pbs[p].T + t) * d,
+                                           op + (a0 + t) * n_heads * d + head * d};
   });
   return out;
 }
