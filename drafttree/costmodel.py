@@ -14,9 +14,10 @@ import statistics
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import Callable, Generic, Iterable, NamedTuple, Protocol, Sequence, TypeVar
 
 import numpy as np
+import torch
 from scipy.optimize import minimize, nnls
 
 from .atomic import atomic_path, atomic_write_text
@@ -352,8 +353,18 @@ def _fit_affine_nonneg(xs, ys) -> tuple[float, float]:
 # ---- CaDDTree selection --------------------------------------------------------------------
 
 
-class CaddSelection(NamedTuple):
-    nodes: list[TreeNode]  # chosen draft nodes in best-first (topological) order
+class PathNode(Protocol):
+    """What the stop rule reads of a node: tree.TreeNode, or a node of another best-first stream (lookup.merge)."""
+
+    @property
+    def path_logprob(self) -> float: ...
+
+
+N = TypeVar("N", bound=PathNode)
+
+
+class CaddSelection(NamedTuple, Generic[N]):
+    nodes: list[N]  # chosen draft nodes in best-first (topological) order
     expected_tokens: float  # 1 + Φ: bonus plus summed path probabilities
     round_ms: float  # C_d + C_v(len(nodes) + 1 tokens)
 
@@ -363,9 +374,9 @@ class CaddSelection(NamedTuple):
         return self.expected_tokens / self.round_ms
 
 
-def caddtree_select(node_stream: Iterable[TreeNode], cost_model: VerifyCostModel, context_len: int,
+def caddtree_select(node_stream: Iterable[N], cost_model: VerifyCostModel, context_len: int,
                     max_nodes: int, overhead_ms: float = 0.0, accept_scale: float = 1.0,
-                    node_ms: float = 0.0) -> CaddSelection:
+                    node_ms: float = 0.0) -> CaddSelection[N]:
     """Add nodes in best-first order while modelled throughput (1 + Φ) / (C_d + C_v) improves.
 
     Node n+1 with path probability p joins iff (1 + Φ + p)/C(n+1) > (1 + Φ)/C(n), i.e.
@@ -385,7 +396,7 @@ def caddtree_select(node_stream: Iterable[TreeNode], cost_model: VerifyCostModel
     if cost <= 0:
         raise ValueError("the modelled round cost must be > 0")
     gain = 1.0  # 1 + Φ
-    chosen: list[TreeNode] = []
+    chosen: list[N] = []
     for node in islice(node_stream, max_nodes):
         p = min(1.0, accept_scale * math.exp(node.path_logprob))
         next_cost = draft + curve(len(chosen) + 2) + node_ms * (len(chosen) + 1)  # len(chosen)+1 nodes -> +1 root token
@@ -409,7 +420,7 @@ def caddtree_select_reference(path_probs: Sequence[float], cost_model: VerifyCos
 
 def build_caddtree(root_token: int, marginal_logprobs, cost_model: VerifyCostModel, context_len: int,
                    max_nodes: int = 1024, overhead_ms: float = 0.0, accept_scale: float = 1.0,
-                   token_ids: torch.Tensor | None = None) -> tuple[DraftTree, CaddSelection]:
+                   token_ids: torch.Tensor | None = None) -> tuple[DraftTree, CaddSelection[TreeNode]]:
     """Convenience: best-first stream -> CaDDTree selection -> DraftTree (root-only if nothing pays).
     token_ids: the target id of each marginal column (a reduced draft vocabulary), or None."""
     nodes = iter(()) if max_nodes == 0 else best_first_nodes(marginal_logprobs, max_nodes, token_ids)

@@ -9,6 +9,15 @@ faster choice. Both choices emit the target's own tokens, so the gate cannot cha
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Gate(Protocol):
+    """What the DFlash proposer's gating calls: DraftGate, or ContextGate (a DraftGate per kind of round)."""
+
+    def observe(self, draft: bool, tokens: int, ms: float) -> None: ...
+
+    def choose(self) -> bool: ...
 
 
 @dataclass

@@ -14,11 +14,14 @@ from typing import Callable
 
 import torch
 
+from .model.decoder import ForwardOutput
+from .model.state import ModelState
 from .model.verify_input import VerifyInput
 from .protocols import Proposer
 from .sampling import SamplingParams, next_token, sampling_probs
 from .stats import GenerationStats
 from .target import Target
+from .tree import DraftTree
 from .validate import InputError, check_int, check_token_ids
 from .verify import Acceptance, TreeLogits, accept_greedy, accept_sampling
 
@@ -30,13 +33,13 @@ class GenerationResult:
     text: str | None = None
 
 
-def verify_input(tree, start: int) -> VerifyInput:
+def verify_input(tree: DraftTree, start: int) -> VerifyInput:
     """A round's verify: every node's rows through the layers, the LM head for the tree's principal path only
     (TreeLogits computes the rows a walk reaches off it)."""
     return VerifyInput.of_tree(tree, start, torch.tensor(tree.principal_path()))
 
 
-def walk_tree(tree, logits: TreeLogits, sampling: SamplingParams, gen) -> Acceptance:
+def walk_tree(tree: DraftTree, logits: TreeLogits, sampling: SamplingParams, gen: torch.Generator | None) -> Acceptance:
     """Greedy: follow the target's argmax; sampling: sample the target at each visited node (lossless). The
     logits of a node are computed when the walk first reaches it."""
     if sampling.greedy:
@@ -62,8 +65,8 @@ class Sequence:
         # The last emitted token never enters the cache; a tree needs its scratch rows, and near the end of
         # the context the trees shrink to the rows left (_begin_round).
         slack = 0 if proposer is None else proposer.max_nodes
-        self.state = model.new_state(min(self.prompt.numel() + self.max_new + slack, context))
-        self.draft_state = None
+        self.state: ModelState | None = model.new_state(min(self.prompt.numel() + self.max_new + slack, context))
+        self.draft_state: object | None = None  # the proposer's (Proposer.begin)
         self.gen = None if sampling.greedy else sampling.generator()
         self.tokens: list[int] = []
         self.root: int | None = None  # the last emitted token: not in the KV cache yet
@@ -87,6 +90,11 @@ class Sequence:
     def capture_layers(self) -> tuple[int, ...]:
         return () if self.proposer is None else self.proposer.capture_layers
 
+    def _target_state(self) -> ModelState:
+        """The state a step works on: only close() drops it, and a closed Sequence is done (it never steps)."""
+        assert self.state is not None
+        return self.state
+
     @torch.no_grad()
     def step(self) -> list[int]:
         """One round; the first prefills. Returns the tokens it emitted ([] once done)."""
@@ -99,7 +107,7 @@ class Sequence:
             return self._end_step(self._ar_step())
         batch, tree = self._begin_round()
         with self.stats.timed("verify_s"):
-            res = self.model.verify(self.state, batch, capture_layers=self.capture_layers)
+            res = self.model.verify(self._target_state(), batch, capture_layers=self.capture_layers)
         return self._end_step(self._end_round(batch, tree, res))
 
     def _end_step(self, new: list[int]) -> list[int]:
@@ -110,45 +118,50 @@ class Sequence:
         return emitted
 
     def _prefill(self) -> list[int]:
-        pre = self.model.prefill(self.state, self.prompt, capture_layers=self.capture_layers)
+        pre = self.model.prefill(self._target_state(), self.prompt, capture_layers=self.capture_layers)
         if self.proposer is not None:  # the drafter's prompt pass counts as prefill, and is reported
             self.draft_state = self.proposer.begin(self.prompt, pre.features, self.clock)
         self.stats.prefill_s = time.perf_counter() - self._step_t0
-        return [int(next_token(pre.logits[-1], self.sampling, self.gen))]
+        return [int(next_token(_last_logits(pre), self.sampling, self.gen))]
 
     def _ar_step(self) -> list[int]:
-        t0 = time.perf_counter()
-        logits = self.model.forward(self.state, torch.tensor([self.root])).logits[-1]
-        self.model.commit(self.state, torch.zeros(1, dtype=torch.long))
+        t0, state = time.perf_counter(), self._target_state()
+        logits = _last_logits(self.model.forward(state, torch.tensor([self.root])))
+        self.model.commit(state, torch.zeros(1, dtype=torch.long))
         self.stats.verify_s += time.perf_counter() - t0
         return [int(next_token(logits, self.sampling, self.gen))]
 
-    def _begin_round(self) -> tuple[VerifyInput, object]:
+    def _begin_round(self) -> tuple[VerifyInput, DraftTree | None]:
         """Draft a tree (AR: the root alone) and lay it out for the verify forward."""
-        start = self.state.length
+        state, root = self._target_state(), self.root
+        start = state.length
         if self.proposer is None:
-            return VerifyInput(torch.tensor([self.root]), torch.tensor([start]), torch.tensor([-1]),
+            return VerifyInput(torch.tensor([root]), torch.tensor([start]), torch.tensor([-1]),
                                torch.ones(1, 1, dtype=torch.bool)), None
+        assert root is not None  # rounds come after the prefill, which emits the first root
         proposer, stats = self.proposer, self.stats
         with stats.timed("draft_s"):
-            drafted = proposer.draft(self.draft_state, self.root, start)
+            drafted = proposer.draft(self.draft_state, root, start)
         with stats.timed("tree_s"):
-            tree = proposer.build_tree(self.draft_state, self.root, drafted, start)
+            tree = proposer.build_tree(self.draft_state, root, drafted, start)
             # nodes whose tokens could not be kept (past max_new_tokens) or stored (past the state) are not verified
-            tree = tree.truncated(self.state.max_len - start, self.max_new - len(self.tokens) - 1)
+            tree = tree.truncated(state.max_len - start, self.max_new - len(self.tokens) - 1)
         return verify_input(tree, start), tree
 
-    def _end_round(self, batch: VerifyInput, tree, res) -> list[int]:
+    def _end_round(self, batch: VerifyInput, tree: DraftTree | None, res: ForwardOutput) -> list[int]:
         """Walk the verified tree, commit the accepted path, tell the proposer."""
-        stats, start = self.stats, self.state.length
+        state = self._target_state()
+        stats, start = self.stats, state.length
         if tree is None:  # AR
             with stats.timed("verify_s"):
-                self.model.commit(self.state, torch.zeros(1, dtype=torch.long))
-            return [int(next_token(res.logits[-1], self.sampling, self.gen))]
+                self.model.commit(state, torch.zeros(1, dtype=torch.long))
+            return [int(next_token(_last_logits(res), self.sampling, self.gen))]
+        # a tree comes from the proposer; verify_input asks for the logits of its principal path (root first)
+        assert self.proposer is not None and res.logits is not None and batch.logits_rows is not None
         with stats.timed("verify_s"):
             logits = TreeLogits(tree, res.logits, batch.logits_rows.tolist(), res.hidden, self.model.row_logits)
             acc = walk_tree(tree, logits, self.sampling, self.gen)
-            self.model.commit(self.state, acc.nodes)
+            self.model.commit(state, acc.nodes)
         with stats.timed("draft_s"):
             features = None if res.features is None else res.features[acc.nodes]
             self.proposer.advance(self.draft_state, tree.tokens[acc.nodes], features, start)
@@ -188,7 +201,7 @@ def step_many(seqs: list[Sequence]) -> list[list[int] | Exception]:
     (TargetModel.verify_many: on the batch-invariant paths, each row's result is what it is alone).
     Per sequence: the tokens it emitted, or the exception its round raised (the others go on)."""
     out: list = [None] * len(seqs)
-    begun = []
+    begun: list[tuple[int, Sequence, VerifyInput, DraftTree | None]] = []
     for i, seq in enumerate(seqs):
         if not isinstance(seq, Sequence) or seq.done or seq.root is None:  # finished, its prefill, or not ours: alone
             out[i] = _attempt(seq.step)
@@ -203,9 +216,10 @@ def step_many(seqs: list[Sequence]) -> list[list[int] | Exception]:
         return out
     model = begun[0][1].model
     t0 = time.perf_counter()
+    results: list[ForwardOutput | None]
     try:
-        results = model.verify_many([s.state for _, s, _, _ in begun], [b for _, _, b, _ in begun],
-                                    [s.capture_layers for _, s, _, _ in begun])
+        results = list(model.verify_many([s._target_state() for _, s, _, _ in begun], [b for _, _, b, _ in begun],
+                                         [s.capture_layers for _, s, _, _ in begun]))
     except Exception:  # find whose batch failed: verify each alone
         results = [None] * len(begun)
     shared = time.perf_counter() - t0 if results[0] is not None else 0.0
@@ -215,7 +229,7 @@ def step_many(seqs: list[Sequence]) -> list[list[int] | Exception]:
         try:
             if res is None:
                 with seq.stats.timed("verify_s"):
-                    res = model.verify(seq.state, batch, capture_layers=seq.capture_layers)
+                    res = model.verify(seq._target_state(), batch, capture_layers=seq.capture_layers)
             out[i] = seq._end_step(seq._end_round(batch, tree, res))
         except Exception as e:
             seq._busy += time.perf_counter() - seq._step_t0
@@ -223,7 +237,13 @@ def step_many(seqs: list[Sequence]) -> list[list[int] | Exception]:
     return out
 
 
-def _attempt(fn):
+def _last_logits(out: ForwardOutput) -> torch.Tensor:
+    """The last row's logits of a forward that computed them (prefill, an AR step or verify: always)."""
+    assert out.logits is not None
+    return out.logits[-1]
+
+
+def _attempt(fn: Callable[[], list[int]]) -> list[int] | Exception:
     try:
         return fn()
     except Exception as e:

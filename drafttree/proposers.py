@@ -6,15 +6,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
+import torch.nn as nn
 
-from .costmodel import VerifyCostModel, build_caddtree
-from .draft_gate import DraftGate, GateMemory
+from .costmodel import CaddSelection, VerifyCostModel, build_caddtree
+from .draft_gate import DraftGate, Gate, GateMemory
 from .drafter.model import DraftContext
-from .marginals import FIRST_CHUNK, LazyDraftScores, dense_logits, log_marginals
+from .marginals import FIRST_CHUNK, LazyDraftScores, Scores, dense_logits, log_marginals
 from .model.linear import head_rows_source
-from .protocols import Clock
+from .protocols import Clock, TargetModel, TreePolicy
 from .recalibrate import RoundCalibrator
 from .tree import DraftTree, build_best_first_tree, build_chain_tree
 
@@ -22,8 +24,11 @@ from .tree import DraftTree, build_best_first_tree, build_chain_tree
 class _Stateless:
     """Policies whose trees depend on the marginals alone."""
 
-    def new_state(self, clock) -> None:
+    def new_state(self, clock: Clock) -> None:
         return None
+
+    def max_nodes(self, depth: int) -> int:
+        raise NotImplementedError  # each policy's own
 
     def record_acceptance(self, state, accepted_draft_nodes: int) -> None:
         pass
@@ -46,7 +51,8 @@ class ChainPolicy(_Stateless):
     def max_nodes(self, depth: int) -> int:
         return depth
 
-    def build(self, state, root: int, logits: torch.Tensor, context_len: int, token_ids=None) -> DraftTree:
+    def build(self, state: None, root: int, logits: Scores, context_len: int,
+              token_ids: torch.Tensor | None = None) -> DraftTree:
         best = dense_logits(logits).argmax(-1)
         return build_chain_tree(root, best if token_ids is None else token_ids[best])
 
@@ -61,7 +67,8 @@ class BestFirstPolicy(_Stateless):
     def max_nodes(self, depth: int) -> int:
         return self.budget
 
-    def build(self, state, root: int, logits: torch.Tensor, context_len: int, token_ids=None) -> DraftTree:
+    def build(self, state: None, root: int, logits: Scores, context_len: int,
+              token_ids: torch.Tensor | None = None) -> DraftTree:
         return build_best_first_tree(root, log_marginals(logits), self.budget, token_ids)
 
 
@@ -105,8 +112,8 @@ class CostAwarePolicy:
     def max_depth(self, depth: int) -> int:
         return min(depth, self.max_tree_nodes, self.max_tree_depth)
 
-    def build(self, state: CalibrationState | None, root: int, logits: torch.Tensor, context_len: int,
-              token_ids=None) -> DraftTree:
+    def build(self, state: CalibrationState | None, root: int, logits: Scores, context_len: int,
+              token_ids: torch.Tensor | None = None) -> DraftTree:
         if state is None:  # the paper's rule: no bookkeeping on the hot path
             return build_caddtree(root, log_marginals(logits), self.cost_model, context_len, self.max_tree_nodes,
                                   token_ids=token_ids)[0]
@@ -127,7 +134,8 @@ class CostAwarePolicy:
         state.round_t0 = now
         return cal.overhead_ms, cal.accept_scale
 
-    def round_built(self, state: CalibrationState, sel, overhead_ms: float, predicted_phi: float) -> None:
+    def round_built(self, state: CalibrationState, sel: CaddSelection, overhead_ms: float,
+                    predicted_phi: float) -> None:
         """Record the round just selected: its modelled time and the Φ the drafter predicted for its tree."""
         state.last_round = (state.round_t0, sel.round_ms - overhead_ms, predicted_phi)
 
@@ -146,9 +154,9 @@ class DFlashState:
     """One request's proposer state: the drafter's context and the policy's memory."""
 
     context: DraftContext
-    policy: object | None
+    policy: object | None  # the policy's own (TreePolicy.new_state)
     clock: Clock
-    gate: DraftGate | None = None
+    gate: Gate | None = None
     round: list | None = None  # [drafted, start time, tokens committed] of the round in flight (gated only)
     deferred: list = field(default_factory=list)  # features of undrafted rounds, added to the context when drafting resumes
     deferred_start: int = 0
@@ -166,8 +174,8 @@ class DFlashProposer:
     With `gate`, each request also measures plain one-token rounds and drafts only while drafting is
     the faster choice (drafttree.draft_gate); the drafter catches up on the skipped tokens in one call."""
 
-    def __init__(self, drafter, target_model, policy, gate: bool = False, lazy_rows: bool = True,
-                 trim_block: bool | None = None):
+    def __init__(self, drafter, target_model: TargetModel, policy: TreePolicy, gate: bool = False,
+                 lazy_rows: bool = True, trim_block: bool | None = None):
         self.drafter, self.model, self.policy, self.gate, self.lazy_rows = drafter, target_model, policy, gate, lazy_rows
         # the block's rows stop at the deepest depth the policy can place (None: as the policy prefers)
         self.trim_block = getattr(policy, "trim_block", False) if trim_block is None else trim_block
@@ -179,23 +187,27 @@ class DFlashProposer:
         self.max_nodes = policy.max_nodes(self.depth)
         self.draft_depth = policy.max_depth(self.depth)
         self.name = policy.name
-        # A reduced draft vocabulary needs the head's rows; otherwise the target's own head (its path) is used.
-        self.lm_head = head_rows_source(target_model) if drafter.config.draft_vocab_size else target_model.logits
+        # A reduced draft vocabulary needs the head's rows (from the CausalLM's own modules, which TargetModel does
+        # not name); otherwise the target's own head (its path) is used.
+        self.lm_head = (head_rows_source(cast(nn.Module, target_model)) if drafter.config.draft_vocab_size
+                        else target_model.logits)
         if drafter.config.draft_vocab_size:  # the head's draft rows are sliced (and packed) now, never in a round
             drafter.head_weight(self.lm_head)
         self.draft_token_ids = drafter.draft_token_ids  # [Vd] target id per marginal column, or None (all ids)
         self.vocab_size = drafter.config.draft_vocab_size or drafter.config.vocab_size
         self.gate_memory = GateMemory()  # what drafting and plain rounds earned in this proposer's earlier requests
 
-    def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor, clock: Clock = time.perf_counter) -> DFlashState:
+    def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None,
+              clock: Clock = time.perf_counter) -> DFlashState:
         """Drafter prefill: context K/V of the whole prompt."""
+        assert prompt_features is not None  # the target captures our capture_layers
         state = DFlashState(self.drafter.new_context(prompt_features.shape[0] + self.drafter.config.block_size + 64),
                             self.policy.new_state(clock), clock, DraftGate(memory=self.gate_memory) if self.gate else None,
                             depth_cap=self.draft_depth)
         self.drafter.extend_context(state.context, prompt_features, torch.arange(prompt_features.shape[0]))
         return state
 
-    def draft(self, state: DFlashState, root: int, start: int) -> torch.Tensor | None:
+    def draft(self, state: DFlashState, root: int, start: int) -> Scores | None:
         """[D, Vd] drafter logits for positions start+1 .. start+D over the draft vocabulary (column j is
         token `draft_token_ids[j]`), D = the deepest node the policy can place (a tree of n nodes is at
         most n deep): no head rows for depths no tree reaches. With `lazy_rows` (the default) a
@@ -229,6 +241,7 @@ class DFlashProposer:
         return self.drafter.block_embeds(root, self.model.embed, self.block_rows(depth))
 
     def _gate_drafts(self, state: DFlashState) -> bool:
+        assert state.gate is not None  # a gated request's
         now = self._end_gated_round(state)
         drafted = state.gate.choose()
         state.round = [drafted, now, 0]
@@ -238,13 +251,14 @@ class DFlashProposer:
     def _end_gated_round(state: DFlashState) -> float:
         """The gate measures the round in flight (if any) up to now; returns now."""
         now = state.clock()
-        if state.round is not None:
+        if state.round is not None:  # only a gated request has rounds in flight
+            assert state.gate is not None
             drafted, t0, tokens = state.round
             state.gate.observe(drafted, tokens, (now - t0) * 1e3)
             state.round = None
         return now
 
-    def build_tree(self, state: DFlashState, root: int, logits: torch.Tensor | None, start: int) -> DraftTree:
+    def build_tree(self, state: DFlashState, root: int, logits: Scores | None, start: int) -> DraftTree:
         if logits is None:
             return DraftTree.from_parents([root], [-1])
         tree = self.policy.build(state.policy, root, logits, start, self.draft_token_ids)
@@ -258,11 +272,12 @@ class DFlashProposer:
         rows cost work."""
         state.depth_cap = min(self.draft_depth, max(self.first_chunk, deepest + 1))
 
-    def advance(self, state: DFlashState, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor,
+    def advance(self, state: DFlashState, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor | None,
                 start: int) -> None:
         """Append the accepted nodes (root first) to the drafter's context; after a round that did not run the
         drafter, later: all such rounds in one call when drafting resumes (a context update costs about the
         same for one token as for twenty: its calls, not its rows)."""
+        assert accepted_features is not None  # the target captures our capture_layers
         n = accepted_features.shape[0]
         plain = state.round is not None and not state.round[0]  # the gate's plain round
         if state.round is not None:

@@ -3,13 +3,21 @@
 Every per-request thing lives in a state object the implementation creates and the caller holds
 (`TargetModel.new_state`, `Proposer.begin`, `TreePolicy.new_state`); the implementations hold weights
 and settings only, so one of each serves any number of requests at once.
+
+The tree budget travels under one name here: a proposer's `max_nodes`, the most draft nodes a round's tree
+can hold (the target state keeps that many scratch rows). A DFlash proposer takes it from its policy's
+`max_nodes(depth)` (a chain: the depth; DDTree: its `budget`; CaDDTree: its `max_tree_nodes` cap, under which
+its stop rule picks the size); the lookup alone from its own `budget`.
+
+mypy checks these against the code that calls them and the classes that implement them (tests/test_types.py).
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
 
 import torch
 
+from .marginals import Scores
 from .model.decoder import ForwardOutput
 from .model.state import ModelState
 from .model.verify_input import VerifyInput
@@ -17,16 +25,39 @@ from .tree import DraftTree
 
 Clock = Callable[[], float]  # seconds; a request's own busy time, so other requests' rounds do not count
 
+S = TypeVar("S")  # an implementation's per-request state
+D = TypeVar("D")  # what a proposer's `draft` hands its `build_tree` (its own kind: logits, lazy scores, continuations)
+
+
+class TargetConfig(Protocol):
+    """The config fields the engine reads."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_position_embeddings(self) -> int: ...
+
 
 class TargetModel(Protocol):
-    config: object  # vocab_size, num_layers, max_position_embeddings, ...
-    dtype: torch.dtype
+    """What the engine and the proposers call on a target (drafttree.model.decoder.CausalLM)."""
+
+    @property
+    def config(self) -> TargetConfig: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
 
     def new_state(self, max_len: int) -> ModelState: ...
 
     def prefill(self, state: ModelState, tokens: torch.Tensor, capture_layers: tuple[int, ...] = ()) -> ForwardOutput: ...
 
+    def forward(self, state: ModelState, tokens: torch.Tensor) -> ForwardOutput: ...  # AR: tokens after the cache
+
     def verify(self, state: ModelState, batch: VerifyInput, capture_layers: tuple[int, ...] = ()) -> ForwardOutput: ...
+
+    def verify_many(self, states: list[ModelState], batches: list[VerifyInput],
+                    capture_layers: list[tuple[int, ...]]) -> list[ForwardOutput]: ...
 
     def commit(self, state: ModelState, rows: torch.Tensor) -> None: ...
 
@@ -34,37 +65,72 @@ class TargetModel(Protocol):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def row_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # final hidden states -> the forward's own logits
 
-class TreePolicy(Protocol):
-    """How a round's marginals [D, Vd] become a draft tree (token_ids [Vd]: the target id of each column
-    when the drafter has a reduced vocabulary; None: the columns are the ids)."""
+
+class TreePolicy(Protocol[S]):
+    """How a round's marginals [D, Vd] (a tensor or marginals.LazyDraftScores) become a draft tree (token_ids
+    [Vd]: the target id of each column when the drafter has a reduced vocabulary; None: the columns are the ids).
+    S: the policy's per-request state (None for stateless policies)."""
 
     name: str
 
-    def new_state(self, clock: Clock) -> object | None: ...
+    def new_state(self, clock: Clock) -> S: ...
 
     def max_nodes(self, depth: int) -> int: ...
 
     def max_depth(self, depth: int) -> int: ...
 
-    def build(self, state, root: int, logits: torch.Tensor, context_len: int,
+    def build(self, state: S, root: int, logits: Scores, context_len: int,
               token_ids: torch.Tensor | None = None) -> DraftTree: ...
 
-    def record_acceptance(self, state, accepted_draft_nodes: int) -> None: ...
+    def record_acceptance(self, state: S, accepted_draft_nodes: int) -> None: ...
+
+    def interrupt(self, state: S) -> None: ...  # rounds without the policy's tree ran since its last build
 
 
-class Proposer(Protocol):
-    """What a speculative round verifies."""
+class Proposer(Protocol[S, D]):
+    """What a speculative round verifies. S: its per-request state; D: what `draft` returns for `build_tree`.
+    The engine holds both as opaque values (a bare `Proposer` is Proposer[Any, Any])."""
 
     name: str
     capture_layers: tuple[int, ...]  # target layers whose hidden states the proposer reads
     max_nodes: int  # the largest tree it builds (the target state needs that many scratch rows)
 
-    def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None, clock: Clock) -> object: ...
+    def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None, clock: Clock) -> S: ...
 
-    def draft(self, state, root: int, start: int) -> torch.Tensor: ...
+    def draft(self, state: S, root: int, start: int) -> D: ...
 
-    def build_tree(self, state, root: int, drafted: torch.Tensor, start: int) -> DraftTree: ...
+    def build_tree(self, state: S, root: int, drafted: D, start: int) -> DraftTree: ...
 
-    def advance(self, state, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor | None,
+    def advance(self, state: S, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor | None,
                 start: int) -> None: ...
+
+
+if TYPE_CHECKING:  # the implementations conform, each with its own state and draft types (checked by mypy only)
+    from .lookup.index import Continuations
+    from .lookup.proposers import LookupDFlashProposer, LookupDFlashState, LookupDraft, LookupProposer, LookupState
+    from .methods import Decoder
+    from .model.hybrid import HybridModel
+    from .model.transformer import Transformer
+    from .proposers import (BestFirstPolicy, CalibrationState, ChainPolicy, CostAwarePolicy, DFlashProposer,
+                            DFlashState)
+    from .serve import scheduler
+    from .weaver.proposer import WeaverDraft, WeaverProposer
+
+    def _targets(dense: Transformer, hybrid: HybridModel) -> list[TargetModel]:
+        return [dense, hybrid]
+
+    def _policies(chain: ChainPolicy, ddtree: BestFirstPolicy, caddtree: CostAwarePolicy
+                  ) -> tuple[TreePolicy[None], TreePolicy[None], TreePolicy[CalibrationState | None]]:
+        return chain, ddtree, caddtree
+
+    def _proposers(dflash: DFlashProposer, lookup: LookupProposer, lookup_dflash: LookupDFlashProposer,
+                   weaver: WeaverProposer) -> tuple[Proposer[DFlashState, Scores | None],
+                                                    Proposer[LookupState, Continuations | None],
+                                                    Proposer[LookupDFlashState, LookupDraft],
+                                                    Proposer[DFlashState, WeaverDraft]]:
+        return dflash, lookup, lookup_dflash, weaver
+
+    def _decoder(decoder: Decoder) -> scheduler.Decoder:
+        return decoder

@@ -48,8 +48,8 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return x.softmax(-1)
 
 
-def sample_from(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of probs [..., V] (long tensor of shape [...])."""
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of probs [..., V] (long tensor of shape [...]); generator None: torch's default one."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 

@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .compute import ComputeChoice
 
+if TYPE_CHECKING:
+    from .protocols import TargetModel
+
 
 @dataclass
 class Target:
-    model: torch.nn.Module
+    model: TargetModel  # a drafttree.model CausalLM
     tokenizer: object | None
     name: str
     compute: ComputeChoice | None = None  # the linear layers' path (None: built directly, e.g. in tests)

@@ -14,7 +14,7 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from .marginals import LazyDraftScores
+from .marginals import LazyDraftScores, Scores
 
 
 class TreeNode(NamedTuple):
@@ -207,7 +207,7 @@ def build_chain_tree(root_token: int, draft_tokens, logprobs=None) -> DraftTree:
     return DraftTree(tokens, torch.arange(-1, n - 1), torch.arange(n), lp, torch.cumsum(lp, 0))
 
 
-def best_first_nodes(marginal_logprobs, max_nodes: int,
+def best_first_nodes(marginal_logprobs: Scores, max_nodes: int,
                      token_ids: torch.Tensor | None = None) -> Iterator[TreeNode]:
     """DDTree's best-first enumeration of prefixes, highest path log-prob first, lazily.
 
@@ -231,7 +231,7 @@ def best_first_nodes(marginal_logprobs, max_nodes: int,
     # A first child enters unresolved, keyed by its parent's weight (an upper bound): its depth's row is
     # ranked only when it reaches the top, so a search that stops earlier never computes that row. The
     # emitted order is the eager one: an entry pops only when its true key is the smallest of all keys.
-    heap = [(-0.0, (0,), 0, 0, 0, 0.0, False)]
+    heap: list[tuple[float, tuple[int, ...], int, int, int, float, bool]] = [(-0.0, (0,), 0, 0, 0, 0.0, False)]
     emitted = 0
     while heap and emitted < max_nodes:
         neg_w, ranks, d, r, parent, parent_w, resolved = heapq.heappop(heap)
@@ -264,7 +264,7 @@ class _RankedMarginals:
 
     INITIAL_K = 16
 
-    def __init__(self, marginal_logprobs, k_cap: int, token_ids: torch.Tensor | None = None):
+    def __init__(self, marginal_logprobs: Scores, k_cap: int, token_ids: torch.Tensor | None = None):
         self.source = marginal_logprobs
         self.depth_count = marginal_logprobs.shape[0]
         self.k_cap = k_cap
@@ -325,7 +325,7 @@ class _RankedMarginals:
         return float(self.m[d][j]) if inside else -math.inf
 
 
-def build_best_first_tree(root_token: int, marginal_logprobs: torch.Tensor, budget: int,
+def build_best_first_tree(root_token: int, marginal_logprobs: Scores, budget: int,
                           token_ids: torch.Tensor | None = None) -> DraftTree:
     """DDTree: the `budget` highest-weight prefixes (draft nodes, root excluded) as a DraftTree."""
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:

@@ -61,6 +61,7 @@ class Acceptance(NamedTuple):
 def accept_greedy(tree: DraftTree, target_argmax: TargetArgmax) -> Acceptance:
     """Greedy walk. target_argmax: LongTensor[n] (argmax of the target at every node) or a
     callable node -> argmax token, so the engine may compute the LM head only on visited rows."""
+    argmax_at: Callable[[int], int]
     if isinstance(target_argmax, torch.Tensor):
         if target_argmax.shape != (tree.num_nodes,):
             raise ValueError(f"target_argmax must have shape ({tree.num_nodes},) = one token per node, "
@@ -96,10 +97,11 @@ def accept_greedy_reference(tree: DraftTree, target_argmax: torch.Tensor) -> Acc
     return Acceptance(tree.path(last), argmax[last])
 
 
-def accept_sampling(tree: DraftTree, target_probs: TargetProbs, generator: torch.Generator) -> Acceptance:
+def accept_sampling(tree: DraftTree, target_probs: TargetProbs, generator: torch.Generator | None) -> Acceptance:
     """Sample-and-match walk. target_probs: FloatTensor[n, V] or a callable node -> probs[V],
     already processed by `sampling.sampling_probs` (temperature, top-k, top-p). Only visited nodes
     are queried, at most depth+1 of them."""
+    probs_at: Callable[[int], torch.Tensor]
     if isinstance(target_probs, torch.Tensor):
         if target_probs.dim() != 2 or target_probs.shape[0] != tree.num_nodes:
             raise ValueError(f"target_probs must have shape [{tree.num_nodes}, V] (one row per node), "

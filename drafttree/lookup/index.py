@@ -150,7 +150,8 @@ class Continuations:
 
     def best_path(self, depth: int | None = None) -> list[int]:
         """Tokens of the most frequent continuation (the prompt-lookup chain), at most `depth` long."""
-        out, node = [], self.root
+        out: list[int] = []
+        node = self.root
         while depth is None or len(out) < depth:
             kids = self.children(node)
             if not kids:

@@ -72,8 +72,10 @@ def merged_best_first(cont: Continuations | None, marginal_logprobs, max_nodes: 
         look = []
         row = depth if ranked is not None and depth < ranked.depth_count and drafter_lp > NEG_INF else -1
         if trie is not None:
+            assert cont is not None  # trie nodes are cont's
+            drafter = ranked if row >= 0 else None
             for c in cont.children(trie):
-                d_lp = drafter_lp + ranked.logprob_of(depth, c.token) if row >= 0 else NEG_INF
+                d_lp = drafter_lp + drafter.logprob_of(depth, c.token) if drafter is not None else NEG_INF
                 l_lp = lookup_lp + c.log_q
                 look.append((max(log_s + d_lp, l_lp), d_lp, l_lp, c))
             look.sort(key=lambda e: -e[0])  # stable: trie order (count, recency) breaks ties
@@ -87,6 +89,7 @@ def merged_best_first(cont: Continuations | None, marginal_logprobs, max_nodes: 
         best_l = look[li] if li < len(look) else None
         best_d = None
         if row >= 0:
+            assert ranked is not None  # a drafter row: there are drafter marginals
             lp, ids = ranked.row(row)
             while True:
                 if rank >= len(lp) and not (rank < ranked.k_cap and ranked.grow(row)):

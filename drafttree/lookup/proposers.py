@@ -15,13 +15,14 @@ import math
 import time
 from dataclasses import dataclass, field
 from itertools import islice, takewhile
+from typing import cast
 
 import torch
 
 from ..costmodel import CaddSelection, caddtree_select
 from ..draft_gate import ContextGate, GateMemory
-from ..marginals import log_marginals
-from ..proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer, DFlashState
+from ..marginals import Scores, log_marginals
+from ..proposers import BestFirstPolicy, CalibrationState, CostAwarePolicy, DFlashProposer, DFlashState
 from ..protocols import Clock
 from ..tree import DraftTree
 from .calibration import LookupCalibrator
@@ -67,7 +68,7 @@ class LookupState:
     def remember(self, root: int, nodes: list[MergedNode]) -> DraftTree:
         """The round's tree from the selected nodes; kept for `advance`."""
         self.tree = DraftTree.from_nodes(root, [n.tree_node() for n in nodes])
-        self.trie_nodes = [None] + [n.lookup for n in nodes]
+        self.trie_nodes = [None, *(n.lookup for n in nodes)]
         return self.tree
 
     def advance(self, accepted_tokens: torch.Tensor, start: int) -> list[int]:
@@ -113,7 +114,8 @@ class LookupProposer:
         self.max_nodes, self.min_prob, self.config = budget, min_prob, config
         self._min_lp = math.log(min_prob)
 
-    def begin(self, prompt_ids: torch.Tensor, prompt_features=None, clock: Clock = time.perf_counter) -> LookupState:
+    def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None = None,
+              clock: Clock = time.perf_counter) -> LookupState:
         return LookupState.begin(prompt_ids, self.config)
 
     def draft(self, state: LookupState, root: int, start: int) -> Continuations | None:
@@ -124,7 +126,8 @@ class LookupProposer:
                                                           merged_best_first(drafted, None, self.max_nodes)))
         return state.remember(root, nodes)
 
-    def advance(self, state: LookupState, accepted_tokens: torch.Tensor, accepted_features, start: int) -> None:
+    def advance(self, state: LookupState, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor | None,
+                start: int) -> None:
         state.advance(accepted_tokens, start)
 
 
@@ -139,11 +142,16 @@ class LookupDFlashState:
     extra_phi: float | None = None
     extra_nodes: float = 0.0
     skipped: int = 0  # consecutive rounds that skipped the drafter
-    pending: tuple | None = None  # (lookup-only selection, overhead ms, drafter scale) of the round in flight
+    # (lookup-only selection, overhead ms, drafter scale) of the round in flight (cost-aware policies)
+    pending: tuple[CaddSelection[MergedNode] | None, float, float] | None = None
 
     @property
     def nbytes(self) -> int:
         return self.dflash.nbytes + self.lookup.nbytes
+
+
+# a LookupDFlashProposer's round: (the drafter's scores, None when it did not run; the lookup's continuations)
+LookupDraft = tuple[Scores | None, Continuations | None]
 
 
 class LookupDFlashProposer:
@@ -172,10 +180,10 @@ class LookupDFlashProposer:
         self.skip_drafter = skip_drafter and self.cost_aware
         self.explore_every, self.ema = explore_every, ema
         self.gate_memories = {False: GateMemory(), True: GateMemory()}  # per kind of round, over requests
-        if self.cost_aware:  # a lookup-only round pays no draft cost
+        if isinstance(policy, CostAwarePolicy):  # a lookup-only round pays no draft cost
             self._no_draft_cost = dataclasses.replace(policy.cost_model, draft_ms=0.0, draft_ms_per_context_token=0.0)
 
-    def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor, clock: Clock = time.perf_counter
+    def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None, clock: Clock = time.perf_counter
               ) -> LookupDFlashState:
         dflash = self.dflash.begin(prompt_ids, prompt_features, clock)
         if dflash.gate is not None:  # a matched round and an unmatched one pay for drafting differently: a gate each
@@ -184,47 +192,56 @@ class LookupDFlashProposer:
 
     # ---- one round ----
 
-    def draft(self, state: LookupDFlashState, root: int, start: int):
+    def draft(self, state: LookupDFlashState, root: int, start: int) -> LookupDraft:
         """(drafter logits [D, Vd] or None when skipped, continuations or None)."""
         cont = state.lookup.query(root, self.config, self.max_nodes)
-        if self.cost_aware:
-            pstate = state.dflash.policy  # the round's clock starts here, skipped drafter or not
-            overhead, scale = (0.0, 1.0) if pstate is None else self.policy.round_start(pstate)
+        policy = self.policy
+        if isinstance(policy, CostAwarePolicy):
+            # the round's clock starts here, skipped drafter or not
+            pstate = cast(CalibrationState | None, state.dflash.policy)  # the state of the policy we checked
+            overhead, scale = (0.0, 1.0) if pstate is None else policy.round_start(pstate)
             alone = None if cont is None else caddtree_select(
-                merged_best_first(cont, None, self.policy.max_tree_nodes), self._no_draft_cost, start,
-                self.policy.max_tree_nodes, overhead)
+                merged_best_first(cont, None, policy.max_tree_nodes), self._no_draft_cost, start,
+                policy.max_tree_nodes, overhead)
             state.pending = (alone, overhead, scale)
             if alone is not None and self.skip_drafter and self._lookup_alone_wins(state, alone, start, overhead):
                 state.skipped += 1
                 self.dflash.skip_drafter(state.dflash)
                 return None, cont
         state.skipped = 0
-        if state.dflash.gate is not None:
-            state.dflash.gate.context = cont is not None
+        gate = state.dflash.gate
+        if gate is not None:
+            assert isinstance(gate, ContextGate)  # begin gives a gated request one
+            gate.context = cont is not None
         return self.dflash.draft(state.dflash, root, start), cont  # None too when the DFlash proposer's gate says so
 
-    def _lookup_alone_wins(self, state: LookupDFlashState, alone: CaddSelection, start: int, overhead: float) -> bool:
+    def _lookup_alone_wins(self, state: LookupDFlashState, alone: CaddSelection[MergedNode], start: int,
+                           overhead: float) -> bool:
         if state.extra_phi is None or state.skipped + 1 >= self.explore_every:
             return False
-        cm = self.policy.cost_model
+        policy = self.policy
+        assert isinstance(policy, CostAwarePolicy)  # only cost-aware rounds skip the drafter
+        cm = policy.cost_model
         # extra_nodes is a mean difference of node counts and may be negative (a merged tree can stop earlier than
         # the lookup's alone, its drafter paying a cost the lookup does not): the estimate is a count, at least 0
-        n = min(self.policy.max_tree_nodes, max(0, len(alone.nodes) + round(state.extra_nodes)))
+        n = min(policy.max_tree_nodes, max(0, len(alone.nodes) + round(state.extra_nodes)))
         merged_ms = overhead + cm.draft_cost_ms(start) + cm.verify_ms(n, start)
         return alone.expected_tokens * merged_ms >= (alone.expected_tokens + state.extra_phi) * alone.round_ms
 
-    def build_tree(self, state: LookupDFlashState, root: int, drafted, start: int) -> DraftTree:
+    def build_tree(self, state: LookupDFlashState, root: int, drafted: LookupDraft, start: int) -> DraftTree:
         logits, cont = drafted  # logits None: the drafter was skipped (here, or by the DFlash proposer's gate)
         policy = self.policy
         marginals = None if logits is None else log_marginals(logits)
-        if not self.cost_aware:
+        if not isinstance(policy, CostAwarePolicy):
             nodes = [] if cont is None and marginals is None else list(
                 islice(merged_best_first(cont, marginals, policy.budget, token_ids=self.dflash.draft_token_ids),
                        policy.budget))
             return state.lookup.remember(root, nodes)
-        pstate = state.dflash.policy
+        pstate = cast(CalibrationState | None, state.dflash.policy)  # the state of the policy we checked
+        assert state.pending is not None  # set by this round's draft
         alone, overhead, scale = state.pending
         state.pending = None
+        sel: CaddSelection[MergedNode]
         if marginals is None:  # the lookup-only selection is the tree
             sel = alone if alone is not None else caddtree_select(iter(()), self._no_draft_cost, start, 0, overhead)
         else:
@@ -232,13 +249,13 @@ class LookupDFlashProposer:
                                        token_ids=self.dflash.draft_token_ids)
             sel = caddtree_select(stream, policy.cost_model, start, policy.max_tree_nodes, overhead)
             if alone is not None:  # what the drafter added to a round the lookup alone could have served
-                phi, nodes = sel.expected_tokens - alone.expected_tokens, len(sel.nodes) - len(alone.nodes)
+                phi, more = sel.expected_tokens - alone.expected_tokens, len(sel.nodes) - len(alone.nodes)
                 a = self.ema
                 if state.extra_phi is None:
-                    state.extra_phi, state.extra_nodes = phi, float(nodes)
+                    state.extra_phi, state.extra_nodes = phi, float(more)
                 else:
                     state.extra_phi = a * state.extra_phi + (1 - a) * phi
-                    state.extra_nodes = a * state.extra_nodes + (1 - a) * nodes
+                    state.extra_nodes = a * state.extra_nodes + (1 - a) * more
         if marginals is not None and self.dflash.follow_depth:  # the next block follows the drafter's nodes, not the lookup's
             self.dflash.follow(state.dflash, max((n.depth for n in sel.nodes if n.lookup is None), default=0))
         if pstate is not None:
@@ -248,7 +265,7 @@ class LookupDFlashProposer:
                 math.exp(n.drafter_logprob if n.drafter_logprob > NEG_INF else n.path_logprob) for n in sel.nodes))
         return state.lookup.remember(root, sel.nodes)
 
-    def advance(self, state: LookupDFlashState, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor,
+    def advance(self, state: LookupDFlashState, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor | None,
                 start: int) -> None:
         """The accepted nodes (root first) into the lookup index and (by the DFlash proposer) the drafter's context."""
         state.lookup.advance(accepted_tokens, start)

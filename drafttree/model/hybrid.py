@@ -44,6 +44,8 @@ class HybridDecoderLayer(nn.Module):
 
 
 class HybridModel(CausalLM):
+    config: HybridConfig
+
     def __init__(self, cfg: HybridConfig):
         super().__init__()
         self.config = cfg

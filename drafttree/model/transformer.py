@@ -86,6 +86,8 @@ def additive_mask(visible: torch.Tensor, group: int, dtype: torch.dtype) -> torc
 
 
 class Transformer(CausalLM):
+    config: ModelConfig
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg

@@ -21,13 +21,20 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
-from ..engine import step_many
+from ..engine import Sequence, step_many
 from ..sampling import SamplingParams
 from .text import OutputText
+
+
+class Decoder(Protocol):
+    """What the worker needs to start a request (drafttree.methods.Decoder)."""
+
+    def sequence(self, method: str, prompt_ids: torch.Tensor, max_new_tokens: int = ...,
+                 sampling: SamplingParams = ...) -> Sequence: ...
 
 
 class QueueFull(Exception):
@@ -47,7 +54,7 @@ class Job:
     output: OutputText
     deliver: Callable[[dict], None]  # called on the worker thread; must be thread-safe and quick
     # filled in by the scheduler
-    seq: object = None
+    seq: Sequence | None = None
     cancelled: bool = False
     finished: bool = False
     submitted: float = field(default_factory=time.perf_counter)
@@ -62,7 +69,7 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, decoder, max_concurrency: int = 8, max_waiting: int = 1024, worker_thread: bool = True):
+    def __init__(self, decoder: Decoder, max_concurrency: int = 8, max_waiting: int = 1024, worker_thread: bool = True):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.decoder = decoder
@@ -75,7 +82,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.worker_thread = worker_thread  # False: the caller runs the worker (run_here) and start() spawns none
         self._working = False  # the worker loop is running (its own thread or run_here's)
-        self.counts = collections.Counter()  # finished, cancelled, failed, tokens
+        self.counts: collections.Counter[str] = collections.Counter()  # finished, cancelled, failed, tokens
 
     # ---- called from the app (any thread) --------------------------------------------------------
 
@@ -173,7 +180,7 @@ class Scheduler:
 
     def _turn(self, jobs: list[Job]) -> None:
         """One round of every active job; their verify forwards run as one batched forward (step_many)."""
-        ready = []
+        ready: list[tuple[Job, Sequence]] = []
         for job in jobs:
             if job.cancelled:
                 self._end(job, cancelled=True)
@@ -186,26 +193,26 @@ class Scheduler:
             except Exception as e:  # this request fails; the others go on
                 self._failed(job, e)
                 continue
-            ready.append(job)
+            ready.append((job, job.seq))
         if ready:
-            for job, new in zip(ready, step_many([job.seq for job in ready])):
-                self._after_step(job, new)
+            for (job, seq), new in zip(ready, step_many([seq for _, seq in ready])):
+                self._after_step(job, seq, new)
 
     def _failed(self, job: Job, e: BaseException) -> None:
         trace = "".join(traceback.format_exception(e))
         print(f"drafttree serve: a {job.method} decode failed:\n{trace}", file=sys.stderr)
         self._end(job, error=f"the decode failed ({type(e).__name__}: {e})")
 
-    def _after_step(self, job: Job, new) -> None:
+    def _after_step(self, job: Job, seq: Sequence, new: list[int] | Exception) -> None:
         if isinstance(new, Exception):
             self._failed(job, new)
             return
         try:
             text = job.output.push(new)
             reason = "stop" if job.output.stopped else None
-            if reason is None and job.seq.done:
+            if reason is None and seq.done:
                 text += job.output.finish()
-                reason = "stop" if job.output.stopped else job.seq.finish_reason or "length"
+                reason = "stop" if job.output.stopped else seq.finish_reason or "length"
         except Exception as e:
             self._failed(job, e)
             return

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from ..costmodel import caddtree_select
-from ..proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer
+from ..protocols import Clock, TargetModel, TreePolicy
+from ..proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer, DFlashState
 from ..tree import DraftTree
 from .model import Weaver
 from .tree import LookaheadWeaverStream, RoundInputs, WeaverStream, round_inputs
@@ -38,8 +39,8 @@ class WeaverDraft:
 
 
 class WeaverProposer:
-    def __init__(self, drafter, target_model, weaver: Weaver, policy, width: int = 8, call_ms: float | None = None,
-                 lookahead: bool | None = None):
+    def __init__(self, drafter, target_model: TargetModel, weaver: Weaver, policy: TreePolicy, width: int = 8,
+                 call_ms: float | None = None, lookahead: bool | None = None):
         if not isinstance(policy, (BestFirstPolicy, CostAwarePolicy)) or getattr(policy, "recalibrate", False):
             raise ValueError("a Weaver proposer takes a fixed budget (BestFirstPolicy) or CaDDTree's stop (CostAwarePolicy "
                              "without recalibration)")
@@ -59,10 +60,11 @@ class WeaverProposer:
         self.call_ms = (call_ms if call_ms is not None else measure_call_ms(weaver, width, stream_class=self.stream_class)) \
             if self.cost_aware else 0.0
 
-    def begin(self, prompt_ids, prompt_features, clock=time.perf_counter):
+    def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None,
+              clock: Clock = time.perf_counter) -> DFlashState:
         return self.inner.begin(prompt_ids, prompt_features, clock)
 
-    def draft(self, state, root: int, start: int) -> WeaverDraft:
+    def draft(self, state: DFlashState, root: int, start: int) -> WeaverDraft:
         d = self.drafter
         hidden = d.draft(state.context, self.inner.block_embeds(root), start)[1:1 + self.draft_depth]
         if hasattr(d, "draft_scores"):  # columns over the draft vocabulary (all ids when it is not reduced)
@@ -73,16 +75,17 @@ class WeaverProposer:
         inputs = round_inputs(self.weaver, drafted.logits, drafted.hidden, self.model.embed, drafted.token_ids)
         return self.stream_class(self.weaver, inputs, root, self.max_nodes if max_nodes is None else max_nodes, self.width)
 
-    def build_tree(self, state, root: int, drafted: WeaverDraft, start: int) -> DraftTree:
+    def build_tree(self, state: DFlashState, root: int, drafted: WeaverDraft, start: int) -> DraftTree:
         stream = self.stream(root, drafted)
-        if not self.cost_aware:
+        if not isinstance(self.policy, CostAwarePolicy):  # = not self.cost_aware (the check mypy narrows on)
             return DraftTree.from_nodes(root, list(stream))
         # the root's call is paid by any tree with a node; then one call per `width` nodes
         sel = caddtree_select(iter(stream), self.policy.cost_model, start, self.max_nodes, overhead_ms=self.call_ms,
                               node_ms=self.call_ms / self.width)
         return DraftTree.from_nodes(root, sel.nodes)
 
-    def advance(self, state, accepted_tokens, accepted_features, start: int) -> None:
+    def advance(self, state: DFlashState, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor | None,
+                start: int) -> None:
         self.inner.advance(state, accepted_tokens, accepted_features, start)
 
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator, cast
 
 import torch
 
 from ..tree import TreeNode
-from .model import Weaver, drafter_candidates
+from .model import Weaver, WeaverLayer, drafter_candidates
 
 
 @dataclass
@@ -89,7 +89,7 @@ def expand(weaver: Weaver, inputs: RoundInputs, cache: PathCache, nodes: list[in
     if inputs.hidden_terms is None:  # the depth-only input terms, once per round
         inputs.hidden_terms = weaver.hidden_table(inputs.hidden, torch.arange(inputs.depth))
     h = weaver.token_proj(inputs.embed(torch.tensor(tokens)).to(weaver.token_proj.weight.dtype)) + inputs.hidden_terms[d]
-    for i, layer in enumerate(weaver.layers):
+    for i, layer in enumerate(cast(Iterable[WeaverLayer], weaver.layers)):  # torch types a ModuleList's items as Module
         q, k, v = layer.project(h)  # [n, heads, head_dim]
         cache.k[i, rows], cache.v[i, rows] = k, v
         keys, values = cache.k[i, index].transpose(1, 2), cache.v[i, index].transpose(1, 2)  # [n, heads, L, hd]
@@ -185,7 +185,9 @@ class LookaheadWeaverStream(WeaverStream):
         heap: list = []
 
         def new_slot(parent: int, token: int, depth: int) -> int:
-            s_tok.append(token), s_depth.append(depth), s_parent.append(parent)
+            s_tok.append(token)
+            s_depth.append(depth)
+            s_parent.append(parent)
             return len(s_tok) - 1
 
         def score(slot: int, weight: float) -> None:
@@ -237,7 +239,9 @@ class LookaheadWeaverStream(WeaverStream):
             slot = spec.pop((ps, tok), None)
             if slot is None:
                 slot = new_slot(ps, tok, d)
-            node_slot.append(slot), weights.append(w), ranks.append(path_ranks)
+            node_slot.append(slot)
+            weights.append(w)
+            ranks.append(path_ranks)
             yield TreeNode(p_node, tok, d, lp[r], w)
             if r + 1 < len(lp):  # next sibling: its probability is already known
                 heapq.heappush(heap, (-(weights[p_node] + lp[r + 1]), path_ranks[:-1] + (r + 1,), p_node, r + 1))
