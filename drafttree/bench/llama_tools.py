@@ -29,6 +29,40 @@ def tool_path(name: str = TOOL) -> Path:
     return tool_dir() / "build" / "bin" / name
 
 
+def _fetch_source(tmp: str, out) -> Path:
+    """The pinned sdist from the package registry, unpacked into `tmp`: its vendored llama.cpp tree."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", tmp,
+                    f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True, stdout=out, stderr=subprocess.STDOUT)
+    sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+    with tarfile.open(sdist) as tar:
+        tar.extractall(tmp, filter="data")
+    return next(Path(tmp).glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"
+
+
+def _keep_converter(source: Path) -> Path:
+    """llama.cpp's `convert_hf_to_gguf.py` with what it imports (`conversion/`, `gguf-py/`), kept in the cache."""
+    keep = tool_dir() / "convert"
+    partial = tool_dir() / "convert.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    shutil.copy2(source / "convert_hf_to_gguf.py", partial)
+    for folder in ("conversion", "gguf-py"):
+        shutil.copytree(source / folder, partial / folder)
+    shutil.rmtree(keep, ignore_errors=True)
+    partial.rename(keep)  # complete or absent
+    return keep
+
+
+def converter_script() -> Path:
+    """The pinned sdist's `convert_hf_to_gguf.py`, fetched once (a build keeps it too)."""
+    script = tool_dir() / "convert" / "convert_hf_to_gguf.py"
+    if not script.exists():
+        tool_dir().mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=tool_dir()) as tmp, open(tool_dir() / "convert.log", "w") as out:
+            _keep_converter(_fetch_source(tmp, out))
+    return script
+
+
 def build_tool(name: str = TOOL, jobs: int = 2) -> Path:
     """The tool's binary, built now unless it is cached; a failed build leaves nothing behind but its log."""
     binary = tool_path(name)
@@ -43,12 +77,8 @@ def build_tool(name: str = TOOL, jobs: int = 2) -> Path:
     print(f"drafttree: building llama.cpp's {name} from llama-cpp-python {LLAMA_CPP_PYTHON}'s sdist into {root} "
           f"(once, about ten minutes; log: {log})", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=root) as tmp, open(log, "w") as out:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", tmp,
-                        f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True, stdout=out, stderr=subprocess.STDOUT)
-        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-        with tarfile.open(sdist) as tar:
-            tar.extractall(tmp, filter="data")
-        source = next(Path(tmp).glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"
+        source = _fetch_source(tmp, out)
+        _keep_converter(source)
         build = root / "build.partial"
         shutil.rmtree(build, ignore_errors=True)
         subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",

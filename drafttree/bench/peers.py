@@ -93,6 +93,12 @@ NGRAM_MOD = {"llama.cpp-ngram-mod": ["--spec-type", "ngram-mod"],
                                              "--spec-ngram-mod-n-min", "2", "--spec-ngram-mod-n-max", "16"]}
 
 
+# llama.cpp's DFlash loop with drafttree's shipped drafter (llama_dflash: exported through llama.cpp's converter):
+# whole blocks (15 drafted tokens, the trained block) and shorter chains, whose verify costs less on a CPU
+DFLASH = {"llama.cpp-draft-dflash-15": ["--spec-type", "draft-dflash", "--spec-draft-n-max", "15"],
+          "llama.cpp-draft-dflash-6": ["--spec-type", "draft-dflash", "--spec-draft-n-max", "6"]}
+
+
 class Transformers:
     name = "transformers-ar"
 
@@ -133,6 +139,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--ngram-mod", action="store_true", help="also llama.cpp's own ngram-mod speculative decoding "
                    "(builds llama-speculative-simple from the sdist's llama.cpp once, about ten minutes)")
+    p.add_argument("--dflash", action="store_true", help="also llama.cpp's own DFlash loop (draft-dflash) with the "
+                   "shipped drafter, exported through llama.cpp's converter (needs the peers extra; builds "
+                   "llama-speculative-simple once)")
     p.add_argument("--datasets", default="gsm8k,humaneval,mtbench")
     p.add_argument("--limit", type=int, default=2, help="prompts per set")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -153,12 +162,19 @@ def _systems(args, target):
     gguf = find_embedded_gguf(args.model)
     systems = [LlamaCpp(gguf, args.threads)]
     systems += [LlamaCpp(gguf, args.threads, int(k)) for k in str(args.lookup).split(",") if k.strip()]
-    if args.ngram_mod:
+    if args.ngram_mod or args.dflash:
         from .llama_tools import build_tool
 
         binary = build_tool()
+        variants = dict(NGRAM_MOD) if args.ngram_mod else {}
+        if args.dflash:
+            from ..methods import SHIPPED_DRAFTERS
+            from .llama_dflash import drafter_gguf
+
+            drafter = drafter_gguf(SHIPPED_DRAFTERS[args.model], convert_embedded(args.model))
+            variants.update({name: [*spec, "-md", str(drafter)] for name, spec in DFLASH.items()})
         systems += [LlamaCppSpeculative(binary, gguf, args.threads, target.tokenizer, name, spec)
-                    for name, spec in NGRAM_MOD.items()]
+                    for name, spec in variants.items()]
     if not args.no_transformers:
         systems.append(Transformers(convert_embedded(args.model), "float32"))
     for m in [m.strip() for m in args.methods.split(",") if m.strip()]:

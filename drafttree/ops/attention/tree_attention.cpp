@@ -521,25 +521,6 @@ Problem rope_rows(const RopeArgs& a, const float* src, const float* cp, const fl
 
 }  // namespace
 
-torch::Tensor rope_tree_attention_batched(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                                          const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs,
-                                          const std::vector<int64_t>& pasts,
-                                          const std::vector<c10::optional<torch::Tensor>>& visibles,
-                                          const std::vector<int64_t>& row_ends, int64_t n_heads, int64_t n_kv,
-                                          double scale, c10::optional<torch::Tensor> q_norm,
-                                          c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa);
-
-// The attention half of a decoder layer in one call: RoPE on q and k of the fused projection qkv
-// [T, (Hq + 2 Hkv) d], the new k/v written to the cache rows [past, past + T) of kc/vc [Hkv, Lmax, d],
-// then tree_attention. Returns [T, Hq * d] (heads side by side, as the output projection reads them).
-torch::Tensor rope_tree_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor kc,
-                                  torch::Tensor vc, int64_t past, c10::optional<torch::Tensor> visible,
-                                  int64_t n_heads, int64_t n_kv, double scale, c10::optional<torch::Tensor> q_norm,
-                                  c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa) {
-  return rope_tree_attention_batched(qkv, cos, sin, {kc}, {vc}, {past}, {visible}, {qkv.size(0)}, n_heads, n_kv,
-                                     scale, q_norm, k_norm, norm_eps, isa);
-}
-
 // rope_tree_attention for the rows of several requests (row_ends: where each one's rows end in qkv),
 // each against its own cache with its own mask, in one call: every request's rows get the bits they get
 // alone, without one call (and one thread fork) per request and layer.
@@ -567,7 +548,8 @@ torch::Tensor rope_tree_attention_batched(torch::Tensor qkv, torch::Tensor cos, 
   std::vector<torch::Tensor> masks(S);
   std::vector<Problem> pbs;
   std::vector<int64_t> starts;
-  for (size_t s = 0, a0 = 0; s < S; a0 = row_ends[s++]) {
+  int64_t a0 = 0;
+  for (size_t s = 0; s < S; a0 = row_ends[s++]) {
     const int64_t T = row_ends[s] - a0;
     TORCH_CHECK(T > 0, "rope_tree_attention: every request needs a row");
     int64_t Tm = T;
@@ -578,9 +560,20 @@ torch::Tensor rope_tree_attention_batched(torch::Tensor qkv, torch::Tensor cos, 
     starts.push_back(a0);
   }
   run_rows(pbs, [&](int64_t p, int64_t h, int64_t g, int64_t t) {
-    const int64_t head = h * pbs[p].G + g, a0 = starts[p];
-    return std::pair<const float*, float*>{qp + a0 * n_heads * d + (head * pbs[p].T + t) * d,
-                                           op + (a0 + t) * n_heads * d + head * d};
+    const int64_t head = h * pbs[p].G + g, first = starts[p];
+    return std::pair<const float*, float*>{qp + first * n_heads * d + (head * pbs[p].T + t) * d,
+                                           op + (first + t) * n_heads * d + head * d};
   });
   return out;
+}
+
+// The attention half of a decoder layer in one call: RoPE on q and k of the fused projection qkv
+// [T, (Hq + 2 Hkv) d], the new k/v written to the cache rows [past, past + T) of kc/vc [Hkv, Lmax, d],
+// then tree_attention. Returns [T, Hq * d] (heads side by side, as the output projection reads them).
+torch::Tensor rope_tree_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor kc,
+                                  torch::Tensor vc, int64_t past, c10::optional<torch::Tensor> visible,
+                                  int64_t n_heads, int64_t n_kv, double scale, c10::optional<torch::Tensor> q_norm,
+                                  c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa) {
+  return rope_tree_attention_batched(qkv, cos, sin, {kc}, {vc}, {past}, {visible}, {qkv.size(0)}, n_heads, n_kv,
+                                     scale, q_norm, k_norm, norm_eps, isa);
 }
