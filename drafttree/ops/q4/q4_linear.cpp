@@ -228,14 +228,18 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch
         const Args args{xp + t0 * K, sump + t0 * nb, sxp + t0 * nb, qp + p0 * q_stride, dp + p0 * dm_stride,
                         mp + p0 * dm_stride, K, q_stride, dm_stride, acc};
         pick(isa, stream, np, tt)(args);
+        // Whole rows of the tile at once (an element loop with its bounds and bias tests cost 7 % of a
+        // 9-token verify on a Zen 3); the same float adds, so the same bits.
         const int cols = np * kPanel;
-        for (int i = 0; i < tt; ++i)
-          for (int c = 0; c < cols && p0 * kPanel + c < N; ++c) {
-            const int64_t n = p0 * kPanel + c, t = t0 + i;
-            float v = acc[i * cols + c];
-            if (bp) v = v + bp[n];
-            yp[t * N + n] = v;
-          }
+        const int64_t n0 = p0 * kPanel, width = std::min<int64_t>(cols, N - n0);
+        for (int i = 0; i < tt; ++i) {
+          const float* src = acc + i * cols;
+          float* dst = yp + (t0 + i) * N + n0;
+          if (bp)
+            for (int64_t c = 0; c < width; ++c) dst[c] = src[c] + bp[n0 + c];
+          else
+            std::memcpy(dst, src, width * sizeof(float));
+        }
       }
     }
   });
