@@ -139,5 +139,16 @@ def test_llama_speculative_log_is_parsed():
 """
     run = parse_speculative_log(log)
     assert (run.tokens, run.seconds, run.forwards) == (65, 0.518, 64)
+    # with drafts: verified drafts are batches (prompt eval); forwards from n_predict and n_accept
+    drafted = """0.06.259.085 I decoded  128 tokens in    5.394 seconds, speed:   23.732 t/s
+0.06.259.198 I n_predict = 128
+0.06.259.235 I n_drafted = 855
+0.06.259.272 I n_accept  = 67
+0.06.259.510 I target:
+
+0.06.259.705 I common_perf_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms per token,      inf tokens per second)
+"""
+    run = parse_speculative_log(drafted)
+    assert (run.tokens, run.seconds, run.forwards) == (128, 5.394, 60)
     with pytest.raises(ValueError, match="no decode summary"):
         parse_speculative_log("error: the model could not be loaded")

@@ -96,20 +96,30 @@ def build_tool(name: str = TOOL, jobs: int = 2) -> Path:
 class SpeculativeRun:
     tokens: int  # decoded tokens
     seconds: float  # the decode loop's own clock (the prompt's forward and model loading excluded)
-    forwards: int  # target decode calls in that loop
+    forwards: int  # target forwards in that loop (one per verified draft, or per token without one)
 
 
 _DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+_PREDICTED = re.compile(r"\bn_predict\s*=\s*(\d+)")
+_ACCEPTED = re.compile(r"\bn_accept\s*=\s*(\d+)")
 _TARGET_RUNS = re.compile(r"target:.*?\beval time =\s*[\d.]+ ms /\s*(\d+) runs", re.S)
 
 
 def parse_speculative_log(text: str) -> SpeculativeRun:
-    """The figures `llama-speculative-simple` prints at its end (its log)."""
-    decoded, runs = _DECODED.search(text), _TARGET_RUNS.search(text)
-    if decoded is None or runs is None:
+    """The figures `llama-speculative-simple` prints at its end (its log). Each forward after the prompt's
+    emits its accepted draft tokens and one more, so forwards = n_predict - 1 - n_accept; the target's
+    "eval ... runs" counts only its one-token forwards (a verified draft is a batch, timed as prompt eval), so it
+    is used only where the log has no acceptance line."""
+    decoded, predicted, accepted = _DECODED.search(text), _PREDICTED.search(text), _ACCEPTED.search(text)
+    runs = _TARGET_RUNS.search(text)
+    if decoded is None or (runs is None and (predicted is None or accepted is None)):
         tail = "\n".join(text.strip().splitlines()[-15:])
         raise ValueError(f"llama-speculative-simple printed no decode summary; its last lines:\n{tail}")
-    return SpeculativeRun(int(decoded.group(1)), float(decoded.group(2)), int(runs.group(1)))
+    if predicted is not None and accepted is not None:
+        forwards = int(predicted.group(1)) - 1 - int(accepted.group(1))
+    else:
+        forwards = int(runs.group(1))
+    return SpeculativeRun(int(decoded.group(1)), float(decoded.group(2)), forwards)
 
 
 def run_speculative(binary: Path, gguf: Path, prompt: str, max_new: int, threads: int, spec_args: list[str]
