@@ -11,7 +11,8 @@ from typing import cast
 import torch
 import torch.nn as nn
 
-from .costmodel import CaddSelection, VerifyCostModel, build_caddtree
+from .costmodel import VerifyCostModel
+from .policies import CaddSelection, build_caddtree
 from .draft_gate import DraftGate, Gate, GateMemory
 from .drafter.model import DraftContext
 from .marginals import FIRST_CHUNK, LazyDraftScores, Scores, dense_logits, log_marginals

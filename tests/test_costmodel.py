@@ -7,13 +7,11 @@ import torch
 from drafttree.costmodel import (
     ConvexCost,
     VerifyCostModel,
-    build_caddtree,
-    caddtree_select,
-    caddtree_select_reference,
     fit_convex_cost,
     fit_convex_cost_reference,
     profile_grid,
 )
+from drafttree.policies import build_caddtree, caddtree_select, caddtree_select_reference
 from drafttree.tree import best_first_nodes, build_best_first_tree
 
 # ---- convex fit --------------------------------------------------------------------------

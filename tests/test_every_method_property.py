@@ -61,7 +61,7 @@ def test_every_method_equals_ar_without_exception(kind, regime, tmp_path):
 def test_merged_node_estimate_never_negative(tiny_checkpoint):
     """The estimate of the merged tree's size is a count: a negative mean difference cannot make it negative."""
     from drafttree.lookup.proposers import LookupDFlashState
-    from drafttree.costmodel import CaddSelection
+    from drafttree.policies import CaddSelection
 
     path, _ = tiny_checkpoint
     target = load_target(str(path))

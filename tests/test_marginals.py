@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from drafttree.costmodel import ConvexCost, VerifyCostModel, build_caddtree
+from drafttree.costmodel import ConvexCost, VerifyCostModel
+from drafttree.policies import build_caddtree
 from drafttree.engine import generate_ar, generate_speculative
 from drafttree.load import load_target
 from drafttree.lookup.index import SuffixIndex

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from drafttree.costmodel import ConvexCost, VerifyCostModel, caddtree_select, caddtree_select_reference
+from drafttree.costmodel import ConvexCost, VerifyCostModel
+from drafttree.policies import caddtree_select, caddtree_select_reference
 from drafttree.recalibrate import RoundCalibrator
 from drafttree.tree import best_first_nodes
 

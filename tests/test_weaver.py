@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from drafttree.costmodel import ConvexCost, VerifyCostModel, caddtree_select, caddtree_select_reference
+from drafttree.costmodel import ConvexCost, VerifyCostModel
+from drafttree.policies import caddtree_select, caddtree_select_reference
 from drafttree.tree import DraftTree, best_first_nodes
 from drafttree.validate import InputError
 from drafttree.weaver.checkpoint import WeaverCheckpointError, load_weaver, save_weaver

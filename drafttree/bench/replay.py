@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 
 from ..atomic import atomic_path, atomic_write_text
 from ..compute import add_compute_argument, compute_of
-from ..costmodel import VerifyCostModel, caddtree_select
+from ..costmodel import VerifyCostModel
+from ..policies import caddtree_select
 from ..engine import generate_ar
 from ..marginals import log_marginals
 from ..recalibrate import RoundCalibrator

@@ -8,7 +8,7 @@ calibrated on its own acceptance). Both estimate one quantity, the chance that t
 a path's weight is the larger of the two (a path only one source proposes has the other's weight 0).
 Both weights fall along every path (each factor is <= 1), so their maximum does too, and popping paths in
 weight order from one heap yields a topological, non-increasing stream, which is what DDTree's budget and
-CaDDTree's greedy stop (costmodel.caddtree_select) consume. A path both sources propose is one node;
+CaDDTree's greedy stop (policies.caddtree_select) consume. A path both sources propose is one node;
 siblings always carry distinct tokens.
 
 With no trie this is DDTree's stream (best_first_nodes); with no marginals, best-first over the trie.

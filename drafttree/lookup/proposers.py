@@ -14,12 +14,12 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from itertools import islice, takewhile
+from itertools import takewhile
 from typing import cast
 
 import torch
 
-from ..costmodel import CaddSelection, caddtree_select
+from ..policies import CaddSelection, caddtree_select, fixed_budget_cut
 from ..draft_gate import ContextGate, GateMemory
 from ..marginals import Scores, log_marginals
 from ..proposers import BestFirstPolicy, CalibrationState, CostAwarePolicy, DFlashProposer, DFlashState
@@ -233,9 +233,8 @@ class LookupDFlashProposer:
         policy = self.policy
         marginals = None if logits is None else log_marginals(logits)
         if not isinstance(policy, CostAwarePolicy):
-            nodes = [] if cont is None and marginals is None else list(
-                islice(merged_best_first(cont, marginals, policy.budget, token_ids=self.dflash.draft_token_ids),
-                       policy.budget))
+            nodes = [] if cont is None and marginals is None else fixed_budget_cut(
+                merged_best_first(cont, marginals, policy.budget, token_ids=self.dflash.draft_token_ids), policy.budget)
             return state.lookup.remember(root, nodes)
         pstate = cast(CalibrationState | None, state.dflash.policy)  # the state of the policy we checked
         assert state.pending is not None  # set by this round's draft

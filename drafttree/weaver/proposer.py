@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..costmodel import caddtree_select
+from ..policies import caddtree_select
 from ..protocols import Clock, TargetModel, TreePolicy
 from ..proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer, DFlashState
 from ..tree import DraftTree
