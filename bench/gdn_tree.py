@@ -1,5 +1,6 @@
-"""GDN tree verification on CPU: masked solve vs per-node recursion (parent snapshots) vs per-branch
-recursion, one layer, fp32, plus the verify time per round of a small random hybrid model.
+"""GDN tree verification on CPU: the fused C++ kernel vs the composed masked solve vs per-node recursion
+(parent snapshots) vs per-branch recursion, one layer, fp32 (default shape: Qwen3.5-0.8B's GDN layer,
+16 key / 16 value heads, d_k = d_v = 128), plus the verify time per round of a small random hybrid model.
 
     .venv/bin/python bench/gdn_tree.py [--out runs/gdn_tree.json] [--threads 1]
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from drafttree.ops.gdn.fused import default_isa, tree_gated_delta_verify_fused
 from drafttree.ops.gdn.naive import tree_oracle, tree_per_branch
 from drafttree.ops.gdn.random_inputs import make_gdn_inputs, make_parents, path_of
 from drafttree.ops.gdn.tree import ancestor_mask, commit_gdn_path, tree_gated_delta_verify
@@ -34,16 +36,17 @@ def timed(fn, reps: int) -> tuple[float, object]:
     return min(times), out
 
 
-def bench_layer(sizes, heads: int, d: int, seed: int) -> list[dict]:
+def bench_layer(sizes, key_heads: int, heads: int, d: int, seed: int, isa: str) -> list[dict]:
     rows = []
     for n in tqdm(sizes, desc="one GDN layer"):
         gen = torch.Generator().manual_seed(seed + n)
         parents = make_parents("local", n, gen)  # parent among the previous 8 nodes
-        x = make_gdn_inputs(heads, heads, n, d, d, gen, dtype=torch.float32)
+        x = make_gdn_inputs(key_heads, heads, n, d, d, gen, dtype=torch.float32)
         M = ancestor_mask(parents)
         depth = int(M.sum(1).max()) - 1
         leaves = n - len(set(int(p) for p in parents if p >= 0))
         t_masked, (o_masked, stash) = timed(lambda: tree_gated_delta_verify(*x, M), reps=7)
+        t_fused, (o_fused, _) = timed(lambda: tree_gated_delta_verify_fused(*x, M, isa=isa, check_mask=False), reps=7)
         t_node, (o_node, _) = timed(lambda: tree_oracle(*x, parents), reps=3 if n <= 128 else 1)
         t_branch, o_branch = timed(lambda: tree_per_branch(*x, parents), reps=2 if n <= 128 else 1)
         deepest = int(M.sum(1).argmax())
@@ -51,7 +54,9 @@ def bench_layer(sizes, heads: int, d: int, seed: int) -> list[dict]:
         scale = 1 + float(o_node.abs().max())
         rows.append(dict(
             n=n, max_depth=depth, leaves=leaves,
-            masked_ms=t_masked, per_node_ms=t_node, per_branch_ms=t_branch, commit_fold_ms=t_commit,
+            masked_ms=t_masked, fused_ms=t_fused, fused_speedup_vs_masked=t_masked / t_fused,
+            max_rel_diff_fused_vs_per_node=float((o_fused - o_node).abs().max()) / scale,
+            per_node_ms=t_node, per_branch_ms=t_branch, commit_fold_ms=t_commit,
             speedup_vs_per_node=t_node / t_masked, speedup_vs_per_branch=t_branch / t_masked,
             max_rel_diff_vs_per_node=float((o_masked - o_node).abs().max()) / scale,
             max_rel_diff_vs_per_branch=float((o_masked - o_branch).abs().max()) / scale,
@@ -120,25 +125,28 @@ def main():
     ap.add_argument("--out", default="runs/gdn_tree.json")
     ap.add_argument("--threads", type=int, default=1,
                     help="1 by default: on a shared machine, OpenMP barriers with 2 threads stall for 100s of ms")
-    ap.add_argument("--sizes", default="16,32,64,128,256")
-    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--sizes", default="16,64,128,256")
+    ap.add_argument("--key-heads", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=16, help="value heads")
+    ap.add_argument("--isa", default=default_isa(), help="the fused kernel's path: avx2 or scalar")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",")]
 
-    layer = bench_layer(sizes, args.heads, args.dim, args.seed)
+    layer = bench_layer(sizes, args.key_heads, args.heads, args.dim, args.seed, args.isa)
     model_info, model_rows = bench_model([16, 64], prefix=128, rounds=5, seed=args.seed)
 
-    print(f"\nOne GDN layer, fp32, {args.heads} heads, d_k = d_v = {args.dim}, tree: parent among the previous 8 nodes; "
+    print(f"\nOne GDN layer, fp32, {args.key_heads} key / {args.heads} value heads, fused kernel ISA {args.isa}, d_k = d_v = {args.dim}, tree: parent among the previous 8 nodes; "
           f"{args.threads} threads, torch {torch.__version__}\n")
-    print("| n | max depth | leaves | masked solve (ms) | per-node + snapshots (ms) | per-branch (ms) "
+    print("| n | max depth | leaves | fused (ms) | masked solve (ms) | fused vs masked | per-node + snapshots (ms) | per-branch (ms) "
           "| speedup vs per-node | speedup vs per-branch | fold commit (ms) | max rel diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in layer:
-        diff = max(r["max_rel_diff_vs_per_node"], r["max_rel_diff_vs_per_branch"])
-        print(f"| {r['n']} | {r['max_depth']} | {r['leaves']} | {r['masked_ms']:.2f} | {r['per_node_ms']:.1f} "
+        diff = max(r["max_rel_diff_vs_per_node"], r["max_rel_diff_vs_per_branch"], r["max_rel_diff_fused_vs_per_node"])
+        print(f"| {r['n']} | {r['max_depth']} | {r['leaves']} | {r['fused_ms']:.2f} | {r['masked_ms']:.2f} "
+              f"| {r['fused_speedup_vs_masked']:.1f}× | {r['per_node_ms']:.1f} "
               f"| {r['per_branch_ms']:.0f} | {r['speedup_vs_per_node']:.1f}× | {r['speedup_vs_per_branch']:.0f}× "
               f"| {r['commit_fold_ms']:.2f} | {diff:.1e} |")
     print(f"\nSmall random hybrid model ({model_info}), verify forward per round (best of {model_info['rounds']}):\n")
@@ -150,7 +158,7 @@ def main():
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(
-        config=dict(heads=args.heads, d=args.dim, threads=args.threads, torch=torch.__version__,
+        config=dict(key_heads=args.key_heads, heads=args.heads, isa=args.isa, d=args.dim, threads=args.threads, torch=torch.__version__,
                     machine=platform.machine(), tree="local8"),
         layer=layer, model=dict(info=model_info, rows=model_rows)), indent=2))
     print(f"\nwrote {out}")

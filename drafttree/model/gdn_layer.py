@@ -17,8 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from drafttree.ops.conv import causal_conv1d, tree_causal_conv1d
+from drafttree.ops.gdn.fused import gdn_tree_verify
 from drafttree.ops.gdn.naive import chunk_gated_delta_rule, prepare_qk
-from drafttree.ops.gdn.tree import GDNTreeStash, commit_gdn_path, replay_gdn_path, tree_gated_delta_verify
+from drafttree.ops.gdn.tree import GDNTreeStash, commit_gdn_path, replay_gdn_path
 
 from .hybrid_config import HybridConfig
 from .state import GDNLayerState
@@ -103,7 +104,7 @@ class GatedDeltaNet(nn.Module):
             pending.chain = (q, k, v, g, beta, S_end)
         else:
             mask = tree.mask if tree is not None else torch.ones(T, T, dtype=torch.bool).tril_()
-            o, pending.core = tree_gated_delta_verify(q, k, v, g, beta, st.recurrent, mask)
+            o, pending.core = gdn_tree_verify(q, k, v, g, beta, st.recurrent, mask)  # fused on fp32 CPU
         st.pending = pending
 
         o = o.transpose(0, 1).to(x.dtype)                           # [T, Hv, dv]

@@ -27,6 +27,10 @@ std::vector<torch::Tensor> decoder_stack(torch::Tensor x, const std::vector<std:
                                          double scale, double norm_eps, double qk_norm_eps,
                                          const std::vector<int64_t>& capture, int64_t isa);
 
+std::vector<torch::Tensor> gdn_tree_verify(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
+                                           torch::Tensor beta, torch::Tensor S0, torch::Tensor parents,
+                                           int64_t isa);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "int8 x int8 linear with per-row scales on packed weights (ops/int8)");
   m.def("tree_attention", &tree_attention, "row-by-row attention against a KV cache (ops/attention)");
@@ -36,5 +40,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "GGUF Q4_1 blocks x per-row int8 activations (ops/q4)");
   m.def("rms_norm", &rms_norm, "row-wise RMSNorm (ops/pointwise)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (ops/pointwise)");
+  m.def("gdn_tree_verify", &gdn_tree_verify, "Gated DeltaNet tree verification over ancestor lists (ops/gdn)");
   m.def("decoder_stack", &decoder_stack, "a llama/qwen3 decoder stack in one call (ops/decoder)");
 }

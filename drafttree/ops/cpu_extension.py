@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (ops/int8, ops/q4, ops/attention, ops/pointwise) as one torch extension, compiled once per machine
+"""The C++ CPU kernels (ops/int8, ops/q4, ops/attention, ops/pointwise, ops/decoder, ops/gdn) as one torch extension, compiled once per machine
 (`make setup` runs `python -m drafttree.ops.cpu_extension`) and cached beside the converted models."""
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "bindings.cpp", HERE / "int8" / "int8_linear.cpp", HERE / "attention" / "tree_attention.cpp",
-           HERE / "pointwise" / "pointwise.cpp", HERE / "q4" / "q4_linear.cpp", HERE / "decoder" / "decoder_stack.cpp"]
+           HERE / "pointwise" / "pointwise.cpp", HERE / "q4" / "q4_linear.cpp", HERE / "decoder" / "decoder_stack.cpp",
+           HERE / "gdn" / "gdn_tree.cpp"]
 HEADERS = [HERE / "vec_math.h"]
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}  # the attention kernel reads 2 as plain AVX-512
 
