@@ -1,7 +1,7 @@
 """Where a best-first node stream is cut: a fixed budget (DDTree) or CaDDTree's greedy stop.
 
 Every draft-tree source (tree.best_first_nodes, lookup.merge, weaver.tree) yields nodes in best-first
-order (path log-prob non-increasing); proposers, replay and benches decide how many to keep here, so
+order (path log-prob non-increasing) from the one search in best_first.py; proposers, replay and benches decide how many to keep here, so
 the stop rule has one implementation and one test suite (tests/test_policies.py, test_costmodel.py).
 """
 from __future__ import annotations

@@ -25,6 +25,9 @@ from .tree import DraftTree, build_best_first_tree, build_chain_tree
 class _Stateless:
     """Policies whose trees depend on the marginals alone."""
 
+    trim_block = False  # the drafter's block keeps all its rows (DDTree's trees may use any depth)
+    follow_depth = False
+
     def new_state(self, clock: Clock) -> None:
         return None
 
@@ -179,10 +182,10 @@ class DFlashProposer:
                  lazy_rows: bool = True, trim_block: bool | None = None):
         self.drafter, self.model, self.policy, self.gate, self.lazy_rows = drafter, target_model, policy, gate, lazy_rows
         # the block's rows stop at the deepest depth the policy can place (None: as the policy prefers)
-        self.trim_block = getattr(policy, "trim_block", False) if trim_block is None else trim_block
+        self.trim_block = policy.trim_block if trim_block is None else trim_block
         self.first_chunk = FIRST_CHUNK  # head rows of a round's first lazy chunk
         # a trimmed block follows the request's trees: one depth past the last tree's deepest node, at least a chunk
-        self.follow_depth = self.trim_block and getattr(policy, "follow_depth", False)
+        self.follow_depth = self.trim_block and policy.follow_depth
         self.capture_layers = tuple(drafter.config.target_layer_ids)
         self.depth = drafter.config.block_size - 1
         self.max_nodes = policy.max_nodes(self.depth)

@@ -74,6 +74,8 @@ class TreePolicy(Protocol[S]):
     S: the policy's per-request state (None for stateless policies)."""
 
     name: str
+    trim_block: bool  # the drafter's block stops at max_depth (the policy never places deeper nodes)
+    follow_depth: bool  # with trim_block: a block one depth past the request's last tree (DFlashProposer.follow)
 
     def new_state(self, clock: Clock) -> S: ...
 

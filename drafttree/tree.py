@@ -6,14 +6,14 @@ always precede children (topological numbering), which makes masks and walks one
 """
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
+from .best_first import Frontier
 from .marginals import LazyDraftScores, Scores
 
 
@@ -224,32 +224,37 @@ def best_first_nodes(marginal_logprobs: Scores, max_nodes: int,
         raise ValueError(f"max_nodes must be an int >= 1, got {max_nodes!r}")
     depth_count, vocab = marginal_logprobs.shape
     ranked = _RankedMarginals(marginal_logprobs, k_cap=min(max_nodes, vocab), token_ids=token_ids)
-    neg_inf = -math.inf
-    # Entry: (-path_logprob, ranks along path, depth index, rank, parent node, parent path_logprob, resolved).
-    # A successor's key is never smaller than its predecessor's (log-probs <= 0 and the rank tuple
-    # grows), so pushing successors only after their predecessor is popped keeps the order exact.
-    # A first child enters unresolved, keyed by its parent's weight (an upper bound): its depth's row is
-    # ranked only when it reaches the top, so a search that stops earlier never computes that row. The
-    # emitted order is the eager one: an entry pops only when its true key is the smallest of all keys.
-    heap: list[tuple[float, tuple[int, ...], int, int, int, float, bool]] = [(-0.0, (0,), 0, 0, 0, 0.0, False)]
+    # A node's children are its depth's row: ranked when the search first reaches that depth (best_first).
+    frontier: Frontier[_DepthChildren] = Frontier()
+    frontier.add_unranked(0.0, (), lambda: _DepthChildren(ranked, 0, 0, 0.0))
     emitted = 0
-    while heap and emitted < max_nodes:
-        neg_w, ranks, d, r, parent, parent_w, resolved = heapq.heappop(heap)
-        lp, ids = ranked.row(d)
-        if not resolved:
-            heapq.heappush(heap, (-(parent_w + lp[0]), ranks, d, 0, parent, parent_w, True))
-            continue
-        w = -neg_w
-        if w == neg_inf:
-            return
+    while emitted < max_nodes and (popped := frontier.pop()) is not None:
+        children, r, w, ranks = popped
         emitted += 1
-        node = emitted  # tree index; the root is 0
-        yield TreeNode(parent, ids[r], d + 1, lp[r], w)
-        if r + 1 < ranked.k_cap and (r + 1 < len(lp) or ranked.grow(d)):  # next sibling
-            sw = parent_w + lp[r + 1]
-            heapq.heappush(heap, (-sw, ranks[:-1] + (r + 1,), d, r + 1, parent, parent_w, True))
-        if d + 1 < depth_count:  # first child: the best token at the next depth, ranked when it is reached
-            heapq.heappush(heap, (neg_w, ranks + (0,), d + 1, 0, node, w, False))
+        d = children.depth
+        yield TreeNode(children.parent, ranked.ids[d][r], d + 1, ranked.lp[d][r], w)
+        if d + 1 < len(ranked.lp):  # the next depth's row is ranked already: no need to defer
+            frontier.add(_DepthChildren(ranked, emitted, d + 1, w), ranks)
+        elif d + 1 < depth_count:
+            frontier.add_unranked(w, ranks, partial(_DepthChildren, ranked, emitted, d + 1, w))
+
+
+class _DepthChildren:
+    """Node `parent`'s children under independent marginals: depth index `depth`'s ranked row, shifted by
+    the parent's path log-prob."""
+
+    __slots__ = ("ranked", "parent", "depth", "parent_logprob")
+
+    def __init__(self, ranked: "_RankedMarginals", parent: int, depth: int, parent_logprob: float):
+        self.ranked, self.parent, self.depth, self.parent_logprob = ranked, parent, depth, parent_logprob
+        ranked.row(depth)
+
+    def child_logprob(self, r: int) -> float:
+        ranked, d = self.ranked, self.depth
+        lp = ranked.lp[d]
+        if r >= len(lp) and not (r < ranked.k_cap and ranked.grow(d)):
+            return -math.inf
+        return self.parent_logprob + lp[r]
 
 
 class _RankedMarginals:

@@ -16,16 +16,16 @@ Lookup paths may run deeper than the drafter's rows: there only the lookup weigh
 """
 from __future__ import annotations
 
-import heapq
 import math
+from functools import partial
 from typing import Iterator, NamedTuple
 
 import torch
 
+from ..best_first import NEG_INF, Frontier
 from ..tree import TreeNode, _RankedMarginals  # the drafter side's lazily grown per-depth ranking
 from .index import ContinuationNode, Continuations
 
-NEG_INF = -math.inf
 
 
 class MergedNode(NamedTuple):
@@ -52,7 +52,7 @@ def merged_best_first(cont: Continuations | None, marginal_logprobs, max_nodes: 
     (lookup alone); with a reduced draft vocabulary V is its size and token_ids [V] the target id of each column
     (a trie token outside it has drafter weight 0). `cont`: the lookup's continuations, or None.
     `drafter_scale` multiplies the drafter's path
-    probabilities (caddtree-online's acceptance scale). Ties pop in push order (deterministic).
+    probabilities (caddtree-online's acceptance scale). Ties pop in order of the paths' sibling ranks (best_first).
     """
     if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
         raise ValueError(f"max_nodes must be an int >= 1, got {max_nodes!r}")
@@ -63,79 +63,93 @@ def merged_best_first(cont: Continuations | None, marginal_logprobs, max_nodes: 
         vocab = marginal_logprobs.shape[-1]
         # trie tokens are skipped in the drafter's ranking, so it may need a few ranks past max_nodes
         ranked = _RankedMarginals(marginal_logprobs, k_cap=min(max_nodes + 64, vocab), token_ids=token_ids)
-    log_s = math.log(drafter_scale)
-    heap: list = []
-    counter = 0
+    sources = _Sources(cont, ranked, math.log(drafter_scale))
+    frontier: Frontier[_MergedChildren] = Frontier()
+    root_trie = cont.root if cont is not None else None
+    frontier.add(_MergedChildren(sources, 0, 0, 0.0, 0.0, 0.0 if root_trie is not None else NEG_INF, root_trie))
+    emitted = 0
+    while emitted < max_nodes and (popped := frontier.pop()) is not None:
+        parent, r, w, ranks = popped
+        _, token, d_lp, l_lp, trie = parent.made[r]
+        emitted += 1
+        depth = parent.depth + 1
+        yield MergedNode(parent.index, token, depth, w - parent.logprob, w, d_lp, trie)
+        if ranked is None or depth >= ranked.depth_count or depth < len(ranked.lp):  # nothing to defer
+            frontier.add(_MergedChildren(sources, emitted, depth, w, d_lp, l_lp, trie), ranks)
+        else:
+            frontier.add_unranked(w, ranks, partial(_MergedChildren, sources, emitted, depth, w, d_lp, l_lp, trie))
 
-    def children(index, depth, score, drafter_lp, lookup_lp, trie):
-        """Per parent: (sorted trie candidates, the drafter row or -1, cursor state) as a small list."""
+
+class _Sources(NamedTuple):
+    cont: Continuations | None
+    ranked: _RankedMarginals | None
+    log_scale: float  # log of the drafter's acceptance scale
+
+
+class _MergedChildren:
+    """One node's children from both sources, best first, made as the search asks for them.
+
+    The trie's candidates (few) are scored and sorted up front; the drafter's row is walked lazily,
+    skipping the trie's tokens (a path both propose is one node, weighted by the larger estimate).
+    `made[r]` = (path log-prob, token, drafter path log-prob, lookup path log-prob, trie node)."""
+
+    __slots__ = ("sources", "index", "depth", "logprob", "drafter_logprob", "look", "look_next", "row",
+                 "row_lp", "row_ids", "rank", "skip", "made")
+
+    def __init__(self, sources: _Sources, index: int, depth: int, logprob: float, drafter_logprob: float,
+                 lookup_logprob: float, trie: ContinuationNode | None):
+        self.sources, self.index, self.depth, self.logprob = sources, index, depth, logprob
+        self.drafter_logprob = drafter_logprob
+        ranked = sources.ranked
+        self.row = depth if ranked is not None and depth < ranked.depth_count and drafter_logprob > NEG_INF else -1
+        # the row's ranked lists, held once (_RankedMarginals.grow extends these same lists)
+        self.row_lp, self.row_ids = ranked.row(depth) if ranked is not None and self.row >= 0 else ([], [])
         look = []
-        row = depth if ranked is not None and depth < ranked.depth_count and drafter_lp > NEG_INF else -1
         if trie is not None:
-            assert cont is not None  # trie nodes are cont's
-            drafter = ranked if row >= 0 else None
-            for c in cont.children(trie):
-                d_lp = drafter_lp + drafter.logprob_of(depth, c.token) if drafter is not None else NEG_INF
-                l_lp = lookup_lp + c.log_q
-                look.append((max(log_s + d_lp, l_lp), d_lp, l_lp, c))
+            assert sources.cont is not None  # trie nodes are cont's
+            for c in sources.cont.children(trie):
+                d_lp = drafter_logprob + ranked.logprob_of(depth, c.token) if ranked is not None and self.row >= 0 else NEG_INF
+                l_lp = lookup_logprob + c.log_q
+                look.append((max(sources.log_scale + d_lp, l_lp), d_lp, l_lp, c))
             look.sort(key=lambda e: -e[0])  # stable: trie order (count, recency) breaks ties
-        skip = {e[3].token for e in look}
-        # [index, depth, score, drafter_lp, look, li, row, rank, skip]
-        return [index, depth, score, drafter_lp, look, 0, row, 0, skip]
+        self.look, self.look_next = look, 0
+        self.skip = {e[3].token for e in look}
+        self.rank = 0  # the drafter row's next rank to look at
+        self.made: list[tuple[float, int, float, float, ContinuationNode | None]] = []
 
-    def next_child(ch):
-        """Pop this parent's next candidate: (weight, token, drafter_lp, lookup_lp, trie node) or None."""
-        _, depth, _, drafter_lp, look, li, row, rank, skip = ch
-        best_l = look[li] if li < len(look) else None
+    def child_logprob(self, r: int) -> float:
+        made = self.made
+        while len(made) <= r:
+            child = self._next()
+            if child is None:
+                return NEG_INF
+            made.append(child)
+        return made[r][0]
+
+    def _next(self):
+        """The better of the trie's and the drafter's next candidates, or None when both are spent."""
+        look = self.look
+        best_l = look[self.look_next] if self.look_next < len(look) else None
         best_d = None
-        if row >= 0:
+        if self.row >= 0:
+            ranked = self.sources.ranked
             assert ranked is not None  # a drafter row: there are drafter marginals
-            lp, ids = ranked.row(row)
+            lp, ids, skip, rank = self.row_lp, self.row_ids, self.skip, self.rank
             while True:
-                if rank >= len(lp) and not (rank < ranked.k_cap and ranked.grow(row)):
+                if rank >= len(lp) and not (rank < ranked.k_cap and ranked.grow(self.row)):
                     break
                 if ids[rank] in skip:
                     rank += 1
                     continue
                 w = lp[rank]
                 if w > NEG_INF:
-                    best_d = (log_s + drafter_lp + w, ids[rank], drafter_lp + w)
+                    best_d = (self.sources.log_scale + self.drafter_logprob + w, ids[rank], self.drafter_logprob + w)
                 break
-            ch[7] = rank
+            self.rank = rank
         if best_l is not None and (best_d is None or best_l[0] >= best_d[0]):
-            ch[5] = li + 1
+            self.look_next += 1
             return best_l[0], best_l[3].token, best_l[1], best_l[2], best_l[3]
         if best_d is not None:
-            ch[7] = rank + 1
+            self.rank += 1
             return best_d[0], best_d[1], best_d[2], NEG_INF, None
         return None
-
-    def push(ch, order=None):
-        nonlocal counter
-        nxt = next_child(ch)
-        if nxt is not None and nxt[0] > NEG_INF:
-            heapq.heappush(heap, (-nxt[0], counter if order is None else order, ch, nxt))
-            counter += order is None
-
-    def push_children_later(args):
-        """A node's best child enters keyed by the node's own weight (no child weighs more) and is found
-        when it reaches the top, so the drafter row of a depth the stream never gets to is never computed.
-        It keeps its push-time place among ties, so the order is the eager one."""
-        nonlocal counter
-        heapq.heappush(heap, (-args[2], counter, None, args))
-        counter += 1
-
-    root_trie = cont.root if cont is not None else None
-    push(children(0, 0, 0.0, 0.0, 0.0 if root_trie is not None else NEG_INF, root_trie))
-    emitted = 0
-    while heap and emitted < max_nodes:
-        _, order, parent, entry = heapq.heappop(heap)
-        if parent is None:  # a node's children, not looked at yet
-            push(children(*entry), order)
-            continue
-        w, token, d_lp, l_lp, trie = entry
-        emitted += 1
-        depth = parent[1] + 1
-        yield MergedNode(parent[0], token, depth, w - parent[2], w, d_lp, trie)
-        push(parent)  # the parent's next sibling candidate
-        push_children_later((emitted, depth, w, d_lp, l_lp, trie))  # this node's best child

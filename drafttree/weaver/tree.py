@@ -14,13 +14,13 @@ tree (PathCache), so a call costs w rows, not w paths. drafttree.weaver.naive is
 """
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, cast
 
 import torch
 
+from ..best_first import Frontier
 from ..tree import TreeNode
 from .model import Weaver, WeaverLayer, drafter_candidates
 
@@ -122,45 +122,47 @@ class WeaverStream:
             return
         inputs, D = self.inputs, self.inputs.depth
         cache = PathCache(self.weaver, self.max_nodes + 1)
-        tokens, depths, weights, ranks = [self.root], [0], [0.0], [()]
-        child_lp: dict[int, list[float]] = {}
-        child_ids: dict[int, list[int]] = {}
+        tokens, depths, weights, parent_of = [self.root], [0], [0.0], [-1]
+        ranks: list[tuple[int, ...]] = [()]
+        frontier: Frontier[ScoredChildren] = Frontier()
 
-        def expand_nodes(nodes: list[int], parents: list[int]) -> None:
-            lps, ids = expand(self.weaver, inputs, cache, nodes, parents, [tokens[u] for u in nodes],
+        def expand_nodes(nodes: list[int]) -> None:
+            lps, ids = expand(self.weaver, inputs, cache, nodes, [parent_of[u] for u in nodes], [tokens[u] for u in nodes],
                               [depths[u] for u in nodes])
             self.calls += 1
             for u, lp, i in zip(nodes, lps, ids):
-                child_lp[u], child_ids[u] = lp, i
-                heapq.heappush(heap, (-(weights[u] + lp[0]), ranks[u] + (0,), u, 0))
+                frontier.add(ScoredChildren(u, weights[u], lp, i), ranks[u])
 
-        heap: list = []
-        expand_nodes([0], [-1])
-        parent_of = [-1]
+        expand_nodes([0])
         emitted = 0
-        while heap and emitted < self.max_nodes:
+        while frontier and emitted < self.max_nodes:
             new: list[int] = []
-            while heap and emitted < self.max_nodes and len(new) < self.width:
-                neg_w, path_ranks, parent, r = heapq.heappop(heap)
-                w = -neg_w
-                if w == -math.inf:  # only impossible prefixes remain
-                    heap.clear()
-                    break
+            while emitted < self.max_nodes and len(new) < self.width and (popped := frontier.pop()) is not None:
+                children, r, w, path_ranks = popped
                 emitted += 1
-                node = emitted
-                lp = child_lp[parent]
-                tokens.append(child_ids[parent][r])
+                node, parent = emitted, children.node
+                tokens.append(children.ids[r])
                 depths.append(depths[parent] + 1)
                 weights.append(w)
                 ranks.append(path_ranks)
                 parent_of.append(parent)
-                yield TreeNode(parent, tokens[node], depths[node], lp[r], w)
-                if r + 1 < len(lp):  # next sibling: its probability is already known
-                    heapq.heappush(heap, (-(weights[parent] + lp[r + 1]), path_ranks[:-1] + (r + 1,), parent, r + 1))
+                yield TreeNode(parent, tokens[node], depths[node], children.logprobs[r], w)
                 if depths[node] < D:
                     new.append(node)
             if new and emitted < self.max_nodes:  # first children wait for this step's batched call
-                expand_nodes(new, [parent_of[u] for u in new])
+                expand_nodes(new)
+
+
+class ScoredChildren:
+    """A node's children as one Weaver call scored them: log-probs descending, their ids."""
+
+    __slots__ = ("node", "path_logprob", "logprobs", "ids")
+
+    def __init__(self, node: int, path_logprob: float, logprobs: list[float], ids: list[int]):
+        self.node, self.path_logprob, self.logprobs, self.ids = node, path_logprob, logprobs, ids
+
+    def child_logprob(self, r: int) -> float:
+        return self.path_logprob + self.logprobs[r] if r < len(self.logprobs) else -math.inf
 
 
 class LookaheadWeaverStream(WeaverStream):
@@ -181,8 +183,8 @@ class LookaheadWeaverStream(WeaverStream):
         dist: dict[int, tuple[list[float], list[int]]] = {}  # slot -> its children's log-probs and ids
         spec: dict[tuple[int, int], int] = {}  # (parent slot, token) -> slot: scored before being emitted
         top_lp, top_id = inputs.cand_logprobs[:, 0].tolist(), inputs.cand_ids[:, 0].tolist()
-        node_slot, weights, ranks = [0], [0.0], [()]
-        heap: list = []
+        node_slot = [0]  # tree node -> slot
+        frontier: Frontier[ScoredChildren] = Frontier()
 
         def new_slot(parent: int, token: int, depth: int) -> int:
             s_tok.append(token)
@@ -192,17 +194,17 @@ class LookaheadWeaverStream(WeaverStream):
 
         def score(slot: int, weight: float) -> None:
             """One call: `slot` (emitted, unscored) and up to width-1 nodes likely to be needed next."""
-            picks = []  # (priority, parent slot, token, depth, chain)
+            picks: list[tuple[float, int, int, int, bool]] = []  # (priority, parent slot (-1: on the chain), token, depth, chain)
             if extra:
-                for neg_w, _, p_node, r in heapq.nsmallest(extra, heap):
-                    ps = node_slot[p_node]
-                    tok, d = dist[ps][1][r], s_depth[ps] + 1
-                    if d < D and (ps, tok) not in spec and neg_w != math.inf:
-                        picks.append((-neg_w, ps, tok, d, False))
+                for children, r, w, _ in frontier.best(extra):
+                    ps = node_slot[children.node]
+                    tok, d = children.ids[r], s_depth[ps] + 1
+                    if d < D and (ps, tok) not in spec:
+                        picks.append((w, ps, tok, d, False))
                 pw, d = weight, s_depth[slot]
                 while d + 1 < D and len(picks) < 2 * extra:  # the drafter's best line below the node
                     pw += top_lp[d]
-                    picks.append((pw, None, top_id[d], d + 1, True))
+                    picks.append((pw, -1, top_id[d], d + 1, True))
                     d += 1
                 picks.sort(key=lambda x: -x[0])
             rows, parent = [slot], slot
@@ -224,28 +226,21 @@ class LookaheadWeaverStream(WeaverStream):
 
         root = new_slot(-1, self.root, 0)
         score(root, 0.0)
-        heapq.heappush(heap, (-dist[root][0][0], (0,), 0, 0))
+        frontier.add(ScoredChildren(0, 0.0, *dist[root]))
         emitted = 0
-        while heap and emitted < self.max_nodes:
-            neg_w, path_ranks, p_node, r = heapq.heappop(heap)
-            w = -neg_w
-            if w == -math.inf:  # only impossible prefixes remain
-                return
+        while emitted < self.max_nodes and (popped := frontier.pop()) is not None:
+            children, r, w, path_ranks = popped
+            p_node = children.node
             ps = node_slot[p_node]
-            lp, ids = dist[ps]
-            tok, d = ids[r], s_depth[ps] + 1
+            tok, d = children.ids[r], s_depth[ps] + 1
             emitted += 1
             node = emitted
             slot = spec.pop((ps, tok), None)
             if slot is None:
                 slot = new_slot(ps, tok, d)
             node_slot.append(slot)
-            weights.append(w)
-            ranks.append(path_ranks)
-            yield TreeNode(p_node, tok, d, lp[r], w)
-            if r + 1 < len(lp):  # next sibling: its probability is already known
-                heapq.heappush(heap, (-(weights[p_node] + lp[r + 1]), path_ranks[:-1] + (r + 1,), p_node, r + 1))
+            yield TreeNode(p_node, tok, d, children.logprobs[r], w)
             if d < D and emitted < self.max_nodes:
                 if slot not in dist:
                     score(slot, w)
-                heapq.heappush(heap, (-(w + dist[slot][0][0]), path_ranks + (0,), node, 0))
+                frontier.add(ScoredChildren(node, w, *dist[slot]), path_ranks)
