@@ -34,6 +34,15 @@ def fixed_budget_cut(node_stream: Iterable[N], budget: int) -> list[N]:
     return list(islice(node_stream, budget))
 
 
+def build_best_first_tree(root_token: int, marginal_logprobs, budget: int,
+                          token_ids: torch.Tensor | None = None) -> DraftTree:
+    """DDTree: the `budget` highest-weight prefixes (draft nodes, root excluded) as a DraftTree."""
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget must be an int >= 1 (draft nodes, root excluded), got {budget!r}")
+    nodes = fixed_budget_cut(best_first_nodes(marginal_logprobs, budget, token_ids), budget)
+    return DraftTree.from_nodes(root_token, nodes)
+
+
 class CaddSelection(NamedTuple, Generic[N]):
     nodes: list[N]  # chosen draft nodes in best-first (topological) order
     expected_tokens: float  # 1 + Φ: bonus plus summed path probabilities

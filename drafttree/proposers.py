@@ -12,14 +12,14 @@ import torch
 import torch.nn as nn
 
 from .costmodel import VerifyCostModel
-from .policies import CaddSelection, build_caddtree
+from .policies import CaddSelection, build_best_first_tree, build_caddtree
 from .draft_gate import DraftGate, Gate, GateMemory
 from .drafter.model import DraftContext
 from .marginals import FIRST_CHUNK, LazyDraftScores, Scores, dense_logits, log_marginals
 from .model.linear import head_rows_source
 from .protocols import Clock, TargetModel, TreePolicy
 from .recalibrate import RoundCalibrator
-from .tree import DraftTree, build_best_first_tree, build_chain_tree
+from .tree import DraftTree, build_chain_tree
 
 
 class _Stateless:

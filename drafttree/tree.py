@@ -330,14 +330,6 @@ class _RankedMarginals:
         return float(self.m[d][j]) if inside else -math.inf
 
 
-def build_best_first_tree(root_token: int, marginal_logprobs: Scores, budget: int,
-                          token_ids: torch.Tensor | None = None) -> DraftTree:
-    """DDTree: the `budget` highest-weight prefixes (draft nodes, root excluded) as a DraftTree."""
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ValueError(f"budget must be an int >= 1 (draft nodes, root excluded), got {budget!r}")
-    return DraftTree.from_nodes(root_token, list(best_first_nodes(marginal_logprobs, budget, token_ids)))
-
-
 def best_first_reference(marginal_logprobs: torch.Tensor, budget: int) -> list[tuple[int, ...]]:
     """Brute force over all V^D prefixes (tiny cases only): the top-`budget` token paths by the
     same key (path log-prob desc, then rank tuple), each as a tuple of tokens from depth 1."""

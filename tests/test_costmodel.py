@@ -11,8 +11,8 @@ from drafttree.costmodel import (
     fit_convex_cost_reference,
     profile_grid,
 )
-from drafttree.policies import build_caddtree, caddtree_select, caddtree_select_reference
-from drafttree.tree import best_first_nodes, build_best_first_tree
+from drafttree.policies import build_best_first_tree, build_caddtree, caddtree_select, caddtree_select_reference
+from drafttree.tree import best_first_nodes
 
 # ---- convex fit --------------------------------------------------------------------------
 

@@ -6,8 +6,8 @@ import torch
 
 from drafttree import costmodel, policies
 from drafttree.costmodel import ConvexCost, VerifyCostModel
-from drafttree.policies import build_caddtree, caddtree_select, caddtree_select_reference, fixed_budget_cut
-from drafttree.tree import best_first_nodes, build_best_first_tree
+from drafttree.policies import build_best_first_tree, build_caddtree, caddtree_select, caddtree_select_reference, fixed_budget_cut
+from drafttree.tree import best_first_nodes
 
 
 def test_fixed_budget_cut_is_ddtree_prefix():

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from drafttree.policies import build_best_first_tree
 from drafttree.tree import (
     DraftTree,
     TreeNode,
@@ -10,7 +11,6 @@ from drafttree.tree import (
     ancestor_mask_reference,
     best_first_nodes,
     best_first_reference,
-    build_best_first_tree,
     build_chain_tree,
     iter_tree_nodes,
     random_tree,
