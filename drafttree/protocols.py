@@ -13,7 +13,7 @@ mypy checks these against the code that calls them and the classes that implemen
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
+from typing import Callable, Protocol, TypeVar
 
 import torch
 
@@ -108,31 +108,3 @@ class Proposer(Protocol[S, D]):
     def advance(self, state: S, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor | None,
                 start: int) -> None: ...
 
-
-if TYPE_CHECKING:  # the implementations conform, each with its own state and draft types (checked by mypy only)
-    from .lookup.index import Continuations
-    from .lookup.proposers import LookupDFlashProposer, LookupDFlashState, LookupDraft, LookupProposer, LookupState
-    from .methods import Decoder
-    from .model.hybrid import HybridModel
-    from .model.transformer import Transformer
-    from .proposers import (BestFirstPolicy, CalibrationState, ChainPolicy, CostAwarePolicy, DFlashProposer,
-                            DFlashState)
-    from .serve import scheduler
-    from .weaver.proposer import WeaverDraft, WeaverProposer
-
-    def _targets(dense: Transformer, hybrid: HybridModel) -> list[TargetModel]:
-        return [dense, hybrid]
-
-    def _policies(chain: ChainPolicy, ddtree: BestFirstPolicy, caddtree: CostAwarePolicy
-                  ) -> tuple[TreePolicy[None], TreePolicy[None], TreePolicy[CalibrationState | None]]:
-        return chain, ddtree, caddtree
-
-    def _proposers(dflash: DFlashProposer, lookup: LookupProposer, lookup_dflash: LookupDFlashProposer,
-                   weaver: WeaverProposer) -> tuple[Proposer[DFlashState, Scores | None],
-                                                    Proposer[LookupState, Continuations | None],
-                                                    Proposer[LookupDFlashState, LookupDraft],
-                                                    Proposer[DFlashState, WeaverDraft]]:
-        return dflash, lookup, lookup_dflash, weaver
-
-    def _decoder(decoder: Decoder) -> scheduler.Decoder:
-        return decoder
