@@ -153,6 +153,15 @@ class CostAwarePolicy:
             state.last_round = None
 
 
+@dataclass(frozen=True)
+class RoundPlan:
+    """What a DFlash round does, decided once at its start (`draft`, or `skip_drafter` when a lookup tree
+    serves it) and read by the rest of the round (`build_tree`, `advance`)."""
+
+    drafts: bool  # the drafter runs (False: the gate's plain round, or a lookup-only tree)
+    depth: int  # the deepest depth it drafts: the block's rows when trimmed, the head rows at most
+
+
 @dataclass
 class DFlashState:
     """One request's proposer state: the drafter's context and the policy's memory."""
@@ -164,7 +173,7 @@ class DFlashState:
     round: list | None = None  # [drafted, start time, tokens committed] of the round in flight (gated only)
     deferred: list = field(default_factory=list)  # features of undrafted rounds, added to the context when drafting resumes
     deferred_start: int = 0
-    drafting: bool = True  # whether the round in flight ran the drafter (False: a plain round, or a lookup-only tree)
+    plan: RoundPlan = RoundPlan(drafts=True, depth=0)  # the round in flight's
     depth_cap: int = 0  # deepest depth the next round drafts: the proposer's draft_depth unless follow_depth lowers it
 
     @property
@@ -217,8 +226,8 @@ class DFlashProposer:
         most n deep): no head rows for depths no tree reaches. With `lazy_rows` (the default) a
         marginals.LazyDraftScores: rows computed when the tree first reaches their depth. None: the gate
         chose a plain round (the tree is the root alone)."""
-        state.drafting = state.gate is None or self._gate_drafts(state)
-        if not state.drafting:
+        plan = state.plan = RoundPlan(drafts=state.gate is None or self._gate_drafts(state), depth=state.depth_cap)
+        if not plan.drafts:
             self.policy.interrupt(state.policy)
             return None
         if state.deferred:
@@ -226,8 +235,8 @@ class DFlashProposer:
             self.drafter.extend_context(state.context, feats,
                                         torch.arange(state.deferred_start, state.deferred_start + feats.shape[0]))
             state.deferred = []
-        rows = self.drafter.draft_rows(state.context, self.block_embeds(root, state.depth_cap), start)
-        depth = min(state.depth_cap, rows.count - 1)
+        rows = self.drafter.draft_rows(state.context, self.block_embeds(root, plan.depth), start)
+        depth = min(plan.depth, rows.count - 1)
         if not self.lazy_rows:
             return self.drafter.draft_scores(rows.rows(1, 1 + depth), self.lm_head)
         # block row i scores depth i: the head and the last layer's tail run for the depths the tree reaches
@@ -288,7 +297,7 @@ class DFlashProposer:
             state.round[2] = n
         if not plain:
             self.policy.record_acceptance(state.policy, n - 1)
-        if state.drafting:
+        if state.plan.drafts:
             self.drafter.extend_context(state.context, accepted_features, torch.arange(start, start + n))
             return
         if not state.deferred:
@@ -298,6 +307,6 @@ class DFlashProposer:
     def skip_drafter(self, state: DFlashState) -> None:
         """The round in flight does without the drafter (its tree comes from elsewhere): its context update
         waits, and the gate's round in flight (if any) ends here, so it measures that round alone."""
-        state.drafting = False
+        state.plan = RoundPlan(drafts=False, depth=state.depth_cap)
         if state.gate is not None:
             self._end_gated_round(state)

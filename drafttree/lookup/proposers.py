@@ -131,6 +131,16 @@ class LookupProposer:
         state.advance(accepted_tokens, start)
 
 
+@dataclass(frozen=True)
+class LookupRoundPlan:
+    """What a cost-aware lookup + DFlash round decided at its start (`draft`), for its `build_tree`. Whether
+    the drafter runs is the DFlash state's plan."""
+
+    alone: CaddSelection[MergedNode] | None  # the lookup-only selection (None: no match)
+    overhead_ms: float  # caddtree-online's recalibrated round overhead (0 without recalibration)
+    drafter_scale: float  # and the drafter's acceptance scale
+
+
 @dataclass
 class LookupDFlashState:
     """One request's state in a LookupDFlashProposer: the DFlash state and the lookup's."""
@@ -142,8 +152,7 @@ class LookupDFlashState:
     extra_phi: float | None = None
     extra_nodes: float = 0.0
     skipped: int = 0  # consecutive rounds that skipped the drafter
-    # (lookup-only selection, overhead ms, drafter scale) of the round in flight (cost-aware policies)
-    pending: tuple[CaddSelection[MergedNode] | None, float, float] | None = None
+    plan: LookupRoundPlan | None = None  # the round in flight's (cost-aware policies)
 
     @property
     def nbytes(self) -> int:
@@ -203,7 +212,7 @@ class LookupDFlashProposer:
             alone = None if cont is None else caddtree_select(
                 merged_best_first(cont, None, policy.max_tree_nodes), self._no_draft_cost, start,
                 policy.max_tree_nodes, overhead)
-            state.pending = (alone, overhead, scale)
+            state.plan = LookupRoundPlan(alone, overhead, scale)
             if alone is not None and self.skip_drafter and self._lookup_alone_wins(state, alone, start, overhead):
                 state.skipped += 1
                 self.dflash.skip_drafter(state.dflash)
@@ -237,9 +246,9 @@ class LookupDFlashProposer:
                 merged_best_first(cont, marginals, policy.budget, token_ids=self.dflash.draft_token_ids), policy.budget)
             return state.lookup.remember(root, nodes)
         pstate = cast(CalibrationState | None, state.dflash.policy)  # the state of the policy we checked
-        assert state.pending is not None  # set by this round's draft
-        alone, overhead, scale = state.pending
-        state.pending = None
+        plan, state.plan = state.plan, None
+        assert plan is not None  # set by this round's draft
+        alone, overhead, scale = plan.alone, plan.overhead_ms, plan.drafter_scale
         sel: CaddSelection[MergedNode]
         if marginals is None:  # the lookup-only selection is the tree
             sel = alone if alone is not None else caddtree_select(iter(()), self._no_draft_cost, start, 0, overhead)
