@@ -10,6 +10,7 @@ import torch
 from drafttree.datasets import load_prompts
 from drafttree.engine import generate_ar
 
+from sampling_helpers import VOCAB
 from tiny_models import make_tiny_checkpoint
 
 
@@ -52,3 +53,19 @@ def ar_outputs(smollm2):
             for t in real_prompts(20)]
 
 
+@pytest.fixture(scope="module")
+def small_vocab_target(tmp_path_factory):
+    """A transformers Llama with a vocabulary small enough to enumerate joint distributions (sampling_helpers)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None))
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" not in n:
+                p.normal_(0, 0.25)
+    path = tmp_path_factory.mktemp("small_vocab")
+    hf.eval().save_pretrained(path)
+    return path, hf

@@ -73,3 +73,14 @@ def weaver_for(target, drafter, trained: bool = True, seed: int = 0, k: int = 16
         with torch.no_grad():
             w.readout.weight.normal_(0, 0.5)
     return w
+
+
+def prompts(n, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+
+def cpu_like_cost_model() -> VerifyCostModel:
+    # the shape measured on these machines (tokens -> ms); a fixed model keeps the test deterministic
+    curve = ConvexCost(knots=(1.0, 8.0, 32.0, 128.0), values=(30.0, 36.0, 66.0, 200.0))
+    return VerifyCostModel(context_lens=(0,), curves=(curve,), draft_ms=8.0)

@@ -521,7 +521,7 @@ def test_bench_runtime_refuses_bad_options(run_cli, monkeypatch, args, words):
 def train_inputs(tmp_path_factory):
     """(data dir, target dir) of the synthetic training set of test_drafter_train, and a run interrupted at
     step 2 (checkpoint to resume)."""
-    from test_drafter_train import synthetic
+    from drafter_helpers import synthetic
 
     from drafttree.drafter.train import main as train_main
 
@@ -583,7 +583,7 @@ def test_training_data_with_token_ids_beyond_the_vocabulary(run_cli, tmp_path, t
     import shutil
 
     from drafttree.drafter.data import write_feature_shard
-    from test_drafter_train import LAYER_IDS, V, H
+    from drafter_helpers import LAYER_IDS, V, H
 
     data, target, _ = train_inputs
     bad = tmp_path / "data"

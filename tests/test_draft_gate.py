@@ -2,14 +2,13 @@
 output stays AR's, token for token, whatever it chooses."""
 import itertools
 
-import torch
 
 from drafttree.draft_gate import ContextGate, DraftGate, GateMemory
 from drafttree.engine import Sequence, generate_ar
 from drafttree.load import load_target
 from drafttree.proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer
 from spec_helpers import random_drafter_for
-from test_speculative import prompts, synthetic_cost_model
+from spec_helpers import prompts, synthetic_cost_model
 
 
 def run_gate(draft_rate: float, plain_rate: float, rounds: int = 200, memory: GateMemory | None = None) -> list[bool]:

@@ -9,7 +9,7 @@ from drafttree.methods import Decoder
 from drafttree.proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy, DFlashProposer
 from drafttree.sampling import SamplingParams
 from spec_helpers import TargetCopyProposer, random_drafter_for
-from test_speculative import prompts, synthetic_cost_model
+from spec_helpers import prompts, synthetic_cost_model
 
 
 def interleave(seqs: list[Sequence], order_seed: int) -> None:

@@ -16,7 +16,7 @@ from drafttree.model.linear import quantize_linears, use_cpu_kernels
 from drafttree.proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer
 from drafttree.tree import best_first_nodes
 from spec_helpers import random_drafter_for
-from test_speculative import prompts
+from spec_helpers import prompts
 
 
 def lazy_of(logits: torch.Tensor, calls: list | None = None, first_chunk: int = 2) -> LazyDraftScores:

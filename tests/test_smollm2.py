@@ -1,7 +1,7 @@
 """The runtime and AR decoding on the real embedded model (fp32) against transformers."""
 import torch
 
-from test_runtime import check_against_reference
+from runtime_helpers import check_against_reference
 
 
 def test_logits_match_transformers(smollm2):

@@ -7,7 +7,7 @@ import torch
 from drafttree.engine import generate_ar, generate_speculative
 from drafttree.methods import SHIPPED_DRAFTERS, load_drafter_for
 from drafttree.proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy, DFlashProposer
-from test_smollm2_speculative import cpu_like_cost_model
+from spec_helpers import cpu_like_cost_model
 
 pytestmark = pytest.mark.skipif(not (SHIPPED_DRAFTERS["smollm2-135m-instruct"] / "config.json").exists(),
                                 reason="no drafter shipped yet")

@@ -1,19 +1,15 @@
 """Speculative decoding with the shipped drafter on the real model reproduces AR greedy exactly (fp32)."""
 import pytest
 
-from drafttree.costmodel import ConvexCost, VerifyCostModel
 from drafttree.engine import generate_speculative
 from drafttree.methods import SHIPPED_DRAFTERS, load_drafter_for
 from drafttree.proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy, DFlashProposer
+from spec_helpers import cpu_like_cost_model
 
 pytestmark = pytest.mark.skipif(not (SHIPPED_DRAFTERS["smollm2-135m-instruct"] / "config.json").exists(),
                                 reason="no drafter shipped yet")
 
 
-def cpu_like_cost_model() -> VerifyCostModel:
-    # the shape measured on these machines (tokens -> ms); a fixed model keeps the test deterministic
-    curve = ConvexCost(knots=(1.0, 8.0, 32.0, 128.0), values=(30.0, 36.0, 66.0, 200.0))
-    return VerifyCostModel(context_lens=(0,), curves=(curve,), draft_ms=8.0)
 
 
 @pytest.mark.parametrize("make_policy", [ChainPolicy, lambda: BestFirstPolicy(4), lambda: BestFirstPolicy(64),

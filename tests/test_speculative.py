@@ -1,11 +1,10 @@
 """Every speculative method reproduces AR greedy decoding token for token (fp32, tiny models)."""
 import pytest
-import torch
 
 from drafttree.engine import generate_ar, generate_speculative
 from drafttree.load import load_target
 from drafttree.proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy, DFlashProposer
-from spec_helpers import TargetCopyProposer, random_drafter_for, synthetic_cost_model
+from spec_helpers import TargetCopyProposer, prompts, random_drafter_for, synthetic_cost_model
 
 
 
@@ -20,9 +19,6 @@ POLICIES = {
 }
 
 
-def prompts(n, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g) for _ in range(n)]
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))

@@ -9,7 +9,7 @@ from drafttree.model.linear import Int8Linear, Q4Linear
 from drafttree.ops.decoder import DecoderStack
 from drafttree.proposers import BestFirstPolicy, ChainPolicy, DFlashProposer
 from spec_helpers import TargetCopyProposer, random_drafter_for
-from test_runtime import ancestor_mask, path_to, random_tree_parents
+from runtime_helpers import ancestor_mask, path_to, random_tree_parents
 
 
 def int8_target(path, isa=None, compute="int8"):

@@ -8,7 +8,7 @@ from drafttree.compute import cpu_info
 from drafttree.load import load_target
 from drafttree.model.linear import Int8Linear
 from drafttree.ops.decoder import DecoderStack
-from test_runtime import ancestor_mask, random_tree_parents
+from runtime_helpers import ancestor_mask, random_tree_parents
 
 ISAS = ["scalar"] + [isa for isa, flag in (("avx2", "avx2"), ("avx512_vnni", "avx512_vnni")) if cpu_info().has(flag)]
 

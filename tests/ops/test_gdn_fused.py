@@ -34,7 +34,7 @@ def test_fused_matches_composed_and_oracle(shape, n, Hk, Hv, isa):
     o_c, stash_c = tree_gated_delta_verify(*x32, M)
     assert o.dtype == torch.float32 and o.shape == ref_o.shape
     # fp32 against fp64: a 256-deep chain's forward substitution sums 255 terms per row; the composed op
-    # needs the same 2e-5 there (tests/test_gdn_ops.py)
+    # needs the same 2e-5 there (tests/ops/test_gdn_ops.py)
     tol = 2e-5 if int(M.sum(1).max()) > 128 else 1e-5
     assert rel_err(o, ref_o) < tol
     assert rel_err(o, o_c) < 2 * tol  # each within tol of the fp64 truth, in its own summation order

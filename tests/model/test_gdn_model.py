@@ -216,7 +216,7 @@ def test_engine_speculative_methods_equal_ar(pair, policy):
     from drafttree.engine import generate_speculative
     from drafttree.proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy, DFlashProposer
     from spec_helpers import TargetCopyProposer, random_drafter_for
-    from test_speculative import synthetic_cost_model
+    from spec_helpers import synthetic_cost_model
 
     _, target, path = pair
     make = {"chain": ChainPolicy, "ddtree": lambda: BestFirstPolicy(12),

@@ -10,7 +10,7 @@ from drafttree.drafter.datagen import parse_part
 from drafttree.drafter.manifest import evaluation_digests, prompt_digest
 from drafttree.validate import InputError
 
-WEIGHTS = Path(__file__).resolve().parents[1] / "drafttree" / "weights"
+WEIGHTS = Path(__file__).resolve().parents[2] / "drafttree" / "weights"
 MANIFESTS = sorted(WEIGHTS.glob("*/data-manifest*.json"))
 
 

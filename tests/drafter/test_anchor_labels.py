@@ -16,7 +16,7 @@ from drafttree.drafter.train import TrainConfig, block_loss, build_batch, train_
 from drafttree.engine import generate_ar
 from drafttree.load import load_target
 
-from test_drafter_train import LAYER_IDS, V, synthetic, tiny_cfg
+from drafter_helpers import LAYER_IDS, V, synthetic, tiny_cfg
 
 
 @pytest.mark.parametrize("follow_text", [True, False])
@@ -265,6 +265,6 @@ def test_evaluation_sets_are_filtered_out():
                             grams), name
     from pathlib import Path
 
-    train = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
+    train = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
     if train.is_file():
         assert not any(contaminated(d, grams) for d in gsm8k_dialogues(str(train), 300))

@@ -195,7 +195,7 @@ def test_checkpoint_round_trip_and_strict_loading(tmp_path):
 
 
 def test_training_lowers_the_loss_resumes_identically_and_the_cli_runs(tmp_path):
-    from test_drafter_train import synthetic, tiny_cfg
+    from drafter_helpers import synthetic, tiny_cfg
 
     from drafttree.drafter.checkpoint import save_drafter
     from drafttree.drafter.model import DFlashDrafter
@@ -233,7 +233,7 @@ def test_training_lowers_the_loss_resumes_identically_and_the_cli_runs(tmp_path)
 
 
 def test_training_with_a_reduced_draft_vocabulary_uses_its_candidates(tmp_path):
-    from test_drafter_train import synthetic, tiny_cfg
+    from drafter_helpers import synthetic, tiny_cfg
 
     from drafttree.drafter.data import FeatureDataset
     from drafttree.drafter.model import DFlashDrafter

@@ -7,7 +7,7 @@ from drafttree.engine import generate_speculative
 from drafttree.load import load_target
 from drafttree.proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy, DFlashProposer
 from spec_helpers import TargetCopyProposer, random_drafter_for
-from test_speculative import prompts, synthetic_cost_model
+from spec_helpers import prompts, synthetic_cost_model
 
 MAX_NEW = 30
 

@@ -9,13 +9,8 @@ from drafttree.load import load_target
 from drafttree.proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer
 from drafttree.weaver import Weaver, WeaverConfig, WeaverProposer
 from drafttree.weaver.tree import LookaheadWeaverStream, WeaverStream
-from spec_helpers import random_drafter_for, synthetic_cost_model, weaver_for
-
-
-
-def prompts(n, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g) for _ in range(n)]
+from sampling_helpers import chi2_pvalue, exact_pair_distribution, sample_three
+from spec_helpers import prompts, random_drafter_for, synthetic_cost_model, weaver_for
 
 
 @pytest.mark.parametrize("method, width, stream", [("ddtree", 1, WeaverStream), ("ddtree", 4, LookaheadWeaverStream),
@@ -145,5 +140,3 @@ def test_smollm2_greedy_equals_ar():
                                    12, stop_token_ids=())
         assert res.tokens == ar
 
-
-from test_sampling_lossless import VOCAB, chi2_pvalue, exact_pair_distribution, sample_three, small_vocab_target  # noqa: E402,F401

@@ -10,9 +10,9 @@ from drafttree.load import load_target
 from drafttree.marginals import dense_logits
 from drafttree.proposers import BestFirstPolicy, ChainPolicy, DFlashProposer
 from spec_helpers import random_drafter_for
-from test_speculative import prompts
+from spec_helpers import prompts
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from drafter_tau import accepted_per_position, round_lengths  # noqa: E402
 
 MAX_NEW = 30
