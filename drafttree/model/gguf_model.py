@@ -58,16 +58,20 @@ def open_gguf(path: str | Path):
     import gguf
 
     path = Path(path)
+    check_gguf_magic(path)
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, IndexError, OSError) as e:  # a truncated file fails while the tensor table is read
+        raise GGUFError(f"cannot read {path} as GGUF ({e}): is the file complete? copy or download it again") from e
+
+
+def check_gguf_magic(path: Path) -> None:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise GGUFError(f"{path} is not a GGUF file (it does not start with 'GGUF'): --model takes an embedded "
                             "model name, a Hugging Face checkpoint directory or a .gguf file")
-    try:
-        return gguf.GGUFReader(str(path))
-    except (ValueError, IndexError, OSError) as e:  # a truncated file fails while the tensor table is read
-        raise GGUFError(f"cannot read {path} as GGUF ({e}): is the file complete? copy or download it again") from e
 
 
 def _value(reader, key: str, path: Path, default=None):
@@ -420,9 +424,8 @@ def _set_embedding_and_head(model: Transformer, files: GGUFModelReader, cfg: Mod
 
 def gguf_tokenizer(path: str | Path, reader=None):
     """The tokenizer and chat template from the file's metadata (transformers builds them, about 10 s for a
-    50 k vocabulary, so the result is kept in the cache, keyed by the file's path, size and time), or None when
+    50 k vocabulary, so the result is kept in the cache, keyed by the metadata it is built from), or None when
     the file carries no tokenizer (then only token ids can be decoded)."""
-    import hashlib
     import os
     import shutil
     import tempfile
@@ -431,14 +434,12 @@ def gguf_tokenizer(path: str | Path, reader=None):
 
     from drafttree.gguf_convert import cache_root
 
-    path = Path(path).resolve()
+    path = Path(path)
     reader = reader if reader is not None else open_gguf(path)
     if "tokenizer.ggml.tokens" not in reader.fields:
         print(f"drafttree: {path.name} has no tokenizer in its metadata: pass token ids, not text", file=sys.stderr)
         return None
-    stat = path.stat()
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = cache_root() / "gguf-tokenizers" / f"{path.stem}-{key}"
+    cached = cache_root() / "gguf-tokenizers" / _tokenizer_key(reader)
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(cached))
     try:
@@ -454,3 +455,19 @@ def gguf_tokenizer(path: str | Path, reader=None):
     except OSError:  # a read-only or full cache only costs the rebuild next time
         shutil.rmtree(locals().get("tmp", cached.parent / ".none"), ignore_errors=True)
     return tokenizer
+
+
+def _tokenizer_key(reader) -> str:
+    """A hash of what transformers builds the tokenizer from (the tokenizer.* fields, the architecture that picks
+    its converter, transformers' version): files that share a tokenizer share one cache entry."""
+    import hashlib
+
+    import transformers
+
+    h = hashlib.sha256(f"{transformers.__version__}|{reader.fields['general.architecture'].contents()}".encode())
+    for name in sorted(k for k in reader.fields if k.startswith("tokenizer.")):
+        f = reader.fields[name]
+        size = sum(part.nbytes for part in f.parts)  # a field's parts lie one after another in the file
+        h.update(name.encode())
+        h.update(memoryview(reader.data[f.offset:f.offset + size]))
+    return h.hexdigest()[:16]
