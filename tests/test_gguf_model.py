@@ -154,6 +154,28 @@ def test_int8_path_equals_the_int8_path_of_the_dequantized_checkpoint(gguf_dir, 
     assert torch.equal(logits_of(from_file), logits_of(from_dir))
 
 
+@pytest.mark.parametrize("compute", ["fp32", "q4", "int8"])
+def test_conversion_in_small_row_chunks_changes_nothing(gguf_dir, compute, monkeypatch):
+    """Real models are converted a few rows at a time (CHUNK_WEIGHTS); the tiny ones fit in one chunk, so here
+    chunks of 3-4 rows (llama: q/k rows reordered across chunk boundaries) must give the same model."""
+    import drafttree.model.gguf_model as gm
+    from drafttree.load import load_target
+
+    path = str(tiny_file(gguf_dir, "llama", "Q4_K_M"))
+    whole = logits_of(load_target(path, compute=compute))
+    monkeypatch.setattr(gm, "CHUNK_WEIGHTS", 1000)
+    assert torch.equal(logits_of(load_target(path, compute=compute)), whole)
+
+
+def test_bf16_path(gguf_dir):
+    from drafttree.load import load_target
+
+    path = tiny_file(gguf_dir, "qwen3", "Q6_K")
+    target = load_target(str(path), compute="bf16")
+    assert target.model.dtype == torch.bfloat16
+    assert relative_rms(logits_of(target), reference_logits(path, "qwen3")) <= 0.05
+
+
 def test_tokenizer_and_chat_template_come_from_the_metadata(gguf_dir):
     from drafttree.load import load_target
 
