@@ -36,7 +36,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 Q4_1_SOURCES = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit values with a scale and an offset per 32 weights: Q4_1's shape
 INT8_SOURCES = ("Q8_0", "Q5_K", "Q6_K", "F16", "BF16", "F32")  # more than 4 bits: int8 rows are the nearest kernel
 READABLE_TYPES = Q4_1_SOURCES + INT8_SOURCES
-CHUNK_WEIGHTS = 1 << 22  # weights converted at a time: 16 MB of transient fp32, whatever the model's size
+CHUNK_WEIGHTS = 1 << 20  # weights converted at a time: 4 MB of fp32 (and its temporaries), whatever the model's size
 REQUANTIZE_HINT = ("re-quantize it to one of these with llama.cpp (`llama-quantize in.gguf out.gguf Q4_K_M`), or "
                    "load the Hugging Face checkpoint directory instead")
 
