@@ -10,7 +10,7 @@ from .methods import METHODS, add_weaver_args
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or checkpoint directory")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name, checkpoint directory or .gguf file")
     add_compute_argument(p)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--out", default="runs/bench-runtime")
-    b.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or checkpoint directory")
+    b.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name, checkpoint directory or .gguf file")
     b.add_argument("--contexts", default=None, help="forward-cost context lengths, comma-separated (default 256,1024)")
     b.add_argument("--sizes", default=None, help="forward-cost new-token counts (default 1,2,4,...,128)")
     b.add_argument("--repeats", type=int, default=None, help="forward-cost repeats per point, median kept (default 7)")

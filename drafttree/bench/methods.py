@@ -456,7 +456,7 @@ def write_outputs(results: dict, out: Path, log=print) -> list[Path]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or checkpoint directory")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name, checkpoint directory or .gguf file")
     add_compute_argument(p)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--methods", default=",".join(METHODS),

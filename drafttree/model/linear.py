@@ -30,6 +30,18 @@ class Int8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, isa: str) -> "Int8Linear":
         return cls(linear.weight.float(), linear.bias, isa)
 
+    @classmethod
+    def from_int8(cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                  isa: str = "avx2") -> "Int8Linear":
+        """From rows already quantized as ops.int8.quantize_rows makes them (a GGUF's tensors, converted a few
+        rows at a time): the float matrix never exists in full."""
+        layer = cls(torch.zeros(1, q.shape[1]), bias, isa)  # a one-row placeholder, replaced below
+        layer.out_features = q.shape[0]
+        layer.weight_packed = pack_weight(q)
+        layer.weight_scale = scale.float().contiguous()
+        layer.weight_sum = q.sum(dim=1, dtype=torch.int32)
+        return layer
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.isa == "reference":

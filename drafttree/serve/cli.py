@@ -20,7 +20,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               "streaming, many clients at once)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or checkpoint directory")
+    s.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name, checkpoint directory or .gguf file")
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     add_compute_argument(s)
     s.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")

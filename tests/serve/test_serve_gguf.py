@@ -1,0 +1,46 @@
+"""`drafttree serve --model file.gguf`: the real command on a tiny GGUF written by the test serves the methods that
+need no drafter, its greedy `lookup` reply the same as `ar`'s."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import request
+from gguf_files import write_tiny_gguf
+from test_serve_cli import free_port
+
+
+def test_serve_a_gguf_file(tmp_path):
+    model = str(write_tiny_gguf(tmp_path / "tiny-qwen3-q4_k.gguf", "qwen3", "Q4_K"))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "drafttree.cli", "serve", "--model", model, "--method", "lookup",
+                             "--port", str(port), "--threads", "1"], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "DRAFTTREE_API_KEY": ""})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600  # a model load (and, on a new machine, the kernel build)
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if request(base, "GET", "/health", timeout=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        replies = {}
+        for method in ("ar", "lookup"):
+            body = {"model": model, "messages": [{"role": "user", "content": "Say the sea, the sea, the sea."}],
+                    "max_tokens": 24, "temperature": 0, "method": method}
+            status, out, _ = request(base, "POST", "/v1/chat/completions", body)
+            assert status == 200, out
+            assert out["drafttree"]["method"] == method
+            replies[method] = out["choices"][0]["message"]["content"]
+        assert replies["ar"] == replies["lookup"] and replies["ar"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
