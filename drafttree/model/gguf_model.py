@@ -16,7 +16,6 @@ slice of issue 37; until then K-quants are converted here, once, at load.
 """
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from drafttree.ops.int8.naive import quantize_rows
-from drafttree.ops.q4.naive import BLOCK, dequantize_q4_1, unpack_gguf_q4_1
+from drafttree.ops.q4.naive import dequantize_q4_1, unpack_gguf_q4_1
 
 from .config import ModelConfig
 from .linear import Int8Linear, Int8TiedEmbedding, Q4Linear, use_cpu_kernels

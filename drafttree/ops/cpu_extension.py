@@ -40,7 +40,24 @@ def extension():
     out = build_dir()
     if not any(out.glob("*.so")):
         print(f"drafttree: compiling the CPU kernels into {out} (once per machine, about a minute)", file=sys.stderr)
-    return compile_kernels("drafttree_cpu", SOURCES, out)
+    return compile_kernels("drafttree_cpu", staged_sources(out), out)
+
+
+def staged_sources(out: Path) -> list[Path]:
+    """The sources copied into the build directory (same relative layout), compiled from there: torch rebuilds
+    when its build file names other source paths, so two checkouts with the same sources (the build name is
+    their hash) would otherwise recompile the shared cache for each other in turn."""
+    from drafttree.atomic import atomic_path
+
+    staged = []
+    for src in SOURCES + HEADERS:
+        dst = out / "src" / src.relative_to(HERE)
+        if not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_path(dst) as tmp:
+                tmp.write_bytes(src.read_bytes())
+        staged.append(dst)
+    return staged[:len(SOURCES)]
 
 
 def compile_kernels(name: str, sources, out: Path):

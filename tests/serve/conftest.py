@@ -225,3 +225,9 @@ def fake_target(max_context: int = 512) -> Target:
     config = type("Config", (), {"max_position_embeddings": max_context, "vocab_size": 211})()
     model = type("Model", (), {"config": config, "dtype": torch.float32})()
     return Target(model=model, tokenizer=CharTokenizer(), name="fake")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

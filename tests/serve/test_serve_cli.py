@@ -2,7 +2,6 @@
 README's requests and stops cleanly on Ctrl-C."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -10,7 +9,7 @@ import time
 import pytest
 
 from drafttree.cli import main
-from conftest import request
+from conftest import free_port, request
 
 BAD = [
     (["--port", "70000"], "--port must be <= 65535"),
@@ -41,10 +40,6 @@ def test_unknown_method_is_an_argparse_error(capsys):
     assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

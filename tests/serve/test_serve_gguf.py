@@ -8,7 +8,7 @@ import time
 
 from conftest import request
 from gguf_files import write_tiny_gguf
-from test_serve_cli import free_port
+from conftest import free_port
 
 
 def test_serve_a_gguf_file(tmp_path):
