@@ -128,3 +128,16 @@ def test_every_method_equals_ar_on_the_quantized_hybrid(hybrid_checkpoint, compu
             while not seq.done:
                 seq.step()
             assert seq.tokens == ar, (method, compute, ids.tolist(), max_new)
+
+
+def test_zero_centered_norm_kernel_matches_its_reference():
+    """The (1 + w) RMSNorm through the C++ rms_norm (kernel paths) against the PyTorch form it replaces."""
+    from drafttree.model.hybrid_blocks import ZeroCenteredRMSNorm
+
+    norm = ZeroCenteredRMSNorm(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.3)
+    x = torch.randn(5, 3, 96)
+    ref = norm(x)
+    norm.kernel_isa = "avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "scalar"
+    torch.testing.assert_close(norm(x), ref, atol=1e-6, rtol=1e-6)
