@@ -18,8 +18,13 @@ class ZeroCenteredRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
+        self.kernel_isa: str | None = None  # one C++ call (ops.pointwise) on the int8/q4 paths
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_isa is not None and x.dtype == torch.float32:
+            from drafttree.ops.pointwise import rms_norm
+
+            return rms_norm(x, 1.0 + self.weight, self.eps, self.kernel_isa)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).type_as(x)

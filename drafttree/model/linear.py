@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from drafttree.ops.int8 import int8_linear, int8_linear_ref, pack_weight, packed_rows, prepare_weight, unpack_weight
-from drafttree.ops.q4 import pack_q4, q4_linear, quantize_q4_1
+from drafttree.ops.q4 import pack_q4, q4_linear, q4_linear_ref, quantize_q4_1, unpack_q4
 
 
 class Int8Linear(nn.Module):
@@ -92,19 +92,26 @@ class Q4Linear(nn.Module):
         self.register_buffer("weight_d", packed_d)   # fp16 [N/16, K/32, 16] block scales
         self.register_buffer("weight_m", packed_m)   # fp16 [N/16, K/32, 16] block minimums
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        self.isa = isa
+        self.isa = isa  # "scalar" | "avx2" | "avx512_vnni" | "reference" (ops.q4.naive, float64 sums)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, isa: str) -> "Q4Linear":
         return cls(*quantize_q4_1(linear.weight.detach()), linear.bias, isa)
 
-    def stack_tensors(self) -> tuple[list[torch.Tensor], int, int]:
-        """(tensors, kind 1, n_out) as ops.decoder's C++ stack reads a Q4_1 layer (bias None when it has none)."""
+    def stack_tensors(self) -> tuple[list[torch.Tensor], int, int] | None:
+        """(tensors, kind 1, n_out) as ops.decoder's C++ stack reads a Q4_1 layer (bias None when it has none);
+        None for the reference path."""
+        if self.isa == "reference":
+            return None
         return [self.weight_q4, self.weight_d, self.weight_m, self.bias], 1, self.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = q4_linear(x.reshape(-1, self.in_features), self.weight_q4, self.weight_d, self.weight_m, self.bias,
-                      self.out_features, self.isa)
+        flat = x.reshape(-1, self.in_features)
+        if self.isa == "reference":
+            q, d, m = unpack_q4(self.weight_q4, self.weight_d, self.weight_m, self.out_features)
+            y = q4_linear_ref(flat, q, d, m, self.bias)
+        else:
+            y = q4_linear(flat, self.weight_q4, self.weight_d, self.weight_m, self.bias, self.out_features, self.isa)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -43,6 +43,11 @@ def tree_conv_index(parents, K: int) -> torch.Tensor:
     return idx
 
 
+def chain_conv_index(n: int, K: int) -> torch.Tensor:
+    """tree_conv_index of a chain of n nodes (parents i - 1), in closed form: slot m of node i is row i + m."""
+    return torch.arange(n)[:, None] + torch.arange(K)[None, :]
+
+
 def tree_causal_conv1d(x, weight, context, idx, activation: bool = True):
     """Tree form. Returns (y [n, C], E [(K-1)+n, C]). The context after accepting node l is E[idx[l, 1:]]."""
     E = torch.cat([context.to(x.dtype), x], dim=0)

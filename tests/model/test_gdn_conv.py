@@ -51,3 +51,10 @@ def test_tree_conv_index_root_reads_context():
     assert idx[1].tolist() == [1, 2, 3, 4]
     assert idx[2].tolist() == [1, 2, 3, 5]
     assert idx[3].tolist() == [2, 3, 4, 6]
+
+
+def test_chain_conv_index_is_the_tree_index_of_a_chain():
+    from drafttree.ops.conv import chain_conv_index
+
+    for n, K in [(1, 4), (3, 4), (9, 2), (64, 4)]:
+        assert torch.equal(chain_conv_index(n, K), tree_conv_index(torch.arange(n) - 1, K)), (n, K)

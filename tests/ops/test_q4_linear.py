@@ -48,3 +48,13 @@ def test_gguf_blocks_unpack_as_gguf_dequantizes_them():
     t = next(t for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_1)
     ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(t.data.shape[0], -1)
     assert torch.equal(dequantize_q4_1(*unpack_gguf_q4_1(t.data)), torch.from_numpy(ref).float())
+
+
+def test_unpack_inverts_the_kernel_layout():
+    """The reference path (model.linear.Q4Linear isa "reference") reads the weights back from the packed layout."""
+    from drafttree.ops.q4 import unpack_q4
+
+    for n, k in [(16, 32), (7, 64), (33, 96)]:
+        q, d, m = quantize_q4_1(torch.randn(n, k, generator=torch.Generator().manual_seed(n)))
+        back = unpack_q4(*pack_q4(q, d, m), n)
+        assert all(torch.equal(a, b) for a, b in zip(back, (q, d, m))), (n, k)

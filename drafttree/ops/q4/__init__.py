@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from drafttree.ops.cpu_extension import ISA_CODES, extension
-from drafttree.ops.q4.naive import (dequantize_q4_1, pack_q4, q4_linear_ref, quantize_q4_1, unpack_gguf_q4_1)
+from drafttree.ops.q4.naive import (dequantize_q4_1, pack_q4, q4_linear_ref, quantize_q4_1, unpack_gguf_q4_1,
+                                   unpack_q4)
 
 
 def q4_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None,
@@ -14,4 +15,4 @@ def q4_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor
     return extension().q4_linear(x, q, d, m, bias, n_out, ISA_CODES[isa])
 
 
-__all__ = ["dequantize_q4_1", "pack_q4", "q4_linear", "q4_linear_ref", "quantize_q4_1", "unpack_gguf_q4_1"]
+__all__ = ["dequantize_q4_1", "pack_q4", "q4_linear", "q4_linear_ref", "quantize_q4_1", "unpack_gguf_q4_1", "unpack_q4"]

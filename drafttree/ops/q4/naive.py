@@ -65,6 +65,19 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Te
     return packed, panels(d), panels(m)
 
 
+def unpack_q4(packed_q: torch.Tensor, packed_d: torch.Tensor, packed_m: torch.Tensor, n: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pack_q4's inverse: the kernel's layout -> (q [n, K], d, m [n, K/32]), the padding rows dropped."""
+    p, k8 = packed_q.shape[:2]
+    q = torch.stack([packed_q & 15, packed_q >> 4], dim=3)  # [P, K/8, 16, 2, 4]
+    q = q.permute(0, 2, 1, 3, 4).reshape(p * PANEL, k8 * 8)[:n]
+
+    def rows(s):
+        return s.permute(0, 2, 1).reshape(p * PANEL, -1)[:n]
+
+    return q.contiguous(), rows(packed_d).contiguous(), rows(packed_m).contiguous()
+
+
 def q4_linear_ref(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = Σ_b sx_b · (d_b · Σ_{k∈b} q·xq + m_b · Σ_{k∈b} xq), the input quantized per block of 32, in
