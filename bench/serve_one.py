@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_load import ROOT, machine, start_server, stream_request, wait_healthy  # noqa: E402
+from serve_load import machine, start_server, stream_request, wait_healthy  # noqa: E402
 
 DEFAULT_PROMPT = "A train travels 60 km per hour for 2.5 hours. How far does it go? Explain step by step."
 

@@ -11,7 +11,7 @@ from drafttree.model.hybrid import HybridModel
 from drafttree.model.linear import Int8Linear, Q4Linear
 from spec_helpers import random_drafter_for, weaver_for
 from test_every_method_property import REGIMES, prompts
-from test_runtime import ancestor_mask, path_to, random_tree_parents
+from runtime_helpers import ancestor_mask, path_to, random_tree_parents
 
 transformers = pytest.importorskip("transformers")
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: E402
