@@ -6,6 +6,7 @@ import functools
 import hashlib
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -38,6 +39,10 @@ def build_dir() -> Path:
 def extension():
     """The compiled module (compiled on first use, about a minute on 2 cores; then loaded from the cache)."""
     out = build_dir()
+    stale_lock = out / "lock"  # torch's build lock; a build killed midway leaves it, and every later load waits on it forever
+    if stale_lock.exists() and time.time() - stale_lock.stat().st_mtime > 1800:  # no build here takes half an hour
+        print(f"drafttree: removing a stale build lock {stale_lock} (a build killed midway left it)", file=sys.stderr)
+        stale_lock.unlink(missing_ok=True)
     if not any(out.glob("*.so")):
         print(f"drafttree: compiling the CPU kernels into {out} (once per machine, about a minute)", file=sys.stderr)
     return compile_kernels("drafttree_cpu", staged_sources(out), out)
