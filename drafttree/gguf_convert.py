@@ -41,7 +41,7 @@ def find_embedded_gguf(name: str) -> Path:
     raise FileNotFoundError(f"{filename} not found inside the installed {dist} package (reinstall it)")
 
 
-def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp stores q/k rows per head as interleaved (x0, x1) pairs; Hugging Face uses rotate-half halves."""
     out_features, in_features = w.shape
     head_dim = out_features // n_head
@@ -90,9 +90,9 @@ def gguf_to_hf_tensors(reader) -> tuple[dict[str, torch.Tensor], dict]:
             if kind not in _GGUF_TO_HF:
                 raise ValueError(f"unexpected GGUF tensor {t.name!r}")
             if kind == "attn_q":
-                w = _unpermute_rope_rows(w, n_head)
+                w = unpermute_rope_rows(w, n_head)
             elif kind == "attn_k":
-                w = _unpermute_rope_rows(w, n_kv)
+                w = unpermute_rope_rows(w, n_kv)
             tensors[f"model.layers.{m.group(1)}.{_GGUF_TO_HF[kind]}.weight"] = w
         else:
             raise ValueError(f"unexpected GGUF tensor {t.name!r}")

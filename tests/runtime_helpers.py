@@ -56,3 +56,21 @@ def check_against_reference(target, ref, prompt: torch.Tensor, atol: float, n_tr
         seq = torch.cat([prompt, tokens[path_to(parents, i)]])
         assert torch.allclose(tree.logits[i], ref_logits(ref, seq)[-1], atol=atol), f"node {i}"
     return parents, tokens, tree, st
+
+
+def tree_and_step_logits(m, prompt: torch.Tensor, parents: list[int], tokens: torch.Tensor):
+    """One tree verify after `prompt` ([n, V] logits, a row per node), and per node the logits of one-token steps
+    along its path from a fresh prefill (the reference a tree row is held to)."""
+    mask = ancestor_mask(parents)
+    st = m.new_state(128)
+    m.prefill(st, prompt)
+    tree = m.forward(st, tokens, positions=prompt.numel() + mask.sum(1) - 1, tree_mask=mask).logits
+    steps = []
+    for i in range(len(parents)):
+        st = m.new_state(128)
+        m.prefill(st, prompt)
+        for tok in tokens[path_to(parents, i)]:
+            step = m.forward(st, tok.view(1)).logits[0]
+            m.commit(st, torch.tensor([0]))
+        steps.append(step)
+    return tree, steps

@@ -47,3 +47,13 @@ def sample_three(target, prompt, proposer, params, samples):
         pairs[t2, t3] += 1
         deep += res.stats.accept_lengths[0] > 1
     return first, pairs, deep
+
+
+def assert_sampling_matches_target(target, hf, prompt, proposer, params, samples: int, min_deep: int) -> None:
+    """χ² against the exact distributions: the first token, and the (second, third) pair; at least `min_deep`
+    first rounds accepted a draft, so sampling deep in a tree is exercised."""
+    p1, joint = exact_pair_distribution(hf, prompt, params)
+    first, pairs, deep = sample_three(target, prompt, proposer, params, samples)
+    assert deep > min_deep
+    assert chi2_pvalue(first, p1) > 1e-3
+    assert chi2_pvalue(pairs, joint) > 1e-3

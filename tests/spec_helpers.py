@@ -84,3 +84,42 @@ def cpu_like_cost_model() -> VerifyCostModel:
     # the shape measured on these machines (tokens -> ms); a fixed model keeps the test deterministic
     curve = ConvexCost(knots=(1.0, 8.0, 32.0, 128.0), values=(30.0, 36.0, 66.0, 200.0))
     return VerifyCostModel(context_lens=(0,), curves=(curve,), draft_ms=8.0)
+
+
+# synthetic cost models that push the policies and gates into their corners (a drafter dearer than a verify, a
+# verify that barely grows, one that grows steeply)
+REGIMES = {
+    "cheap-draft": VerifyCostModel(context_lens=(0,), curves=(ConvexCost((1.0, 8.0, 64.0), (10.0, 12.0, 40.0)),),
+                                   draft_ms=1.0),
+    "dear-draft": VerifyCostModel(context_lens=(0,), curves=(ConvexCost((1.0, 8.0, 64.0), (10.0, 12.0, 40.0)),),
+                                  draft_ms=30.0),
+    "steep-verify": VerifyCostModel(context_lens=(0, 64), curves=(ConvexCost((1.0, 2.0, 64.0), (3.0, 9.0, 400.0)),
+                                                                  ConvexCost((1.0, 2.0, 64.0), (4.0, 12.0, 600.0))),
+                                    draft_ms=2.0, draft_ms_per_context_token=0.01),
+}
+
+
+def repetitive_prompts(vocab: int, n: int, seed: int) -> list[torch.Tensor]:
+    """Random prompts of 1-30 tokens, every other one a repeated phrase (the lookup's matches)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(1, 31, (1,), generator=g))
+        ids = torch.randint(0, vocab, (length,), generator=g)
+        if i % 2:
+            ids = ids[: max(1, length // 4)].repeat(4)[:length]
+        out.append(ids)
+    return out
+
+
+def assert_every_method_equals_ar(target, decoder, ids: torch.Tensor, max_new: int, context: str) -> None:
+    """Every speculative method's greedy reply to `ids` through `decoder` equals AR's, token for token."""
+    from drafttree.engine import generate_ar
+    from drafttree.methods import METHODS
+
+    ar = generate_ar(target, ids, max_new, stop_token_ids=()).tokens
+    for method in METHODS[1:]:
+        seq = decoder.sequence(method, ids, max_new_tokens=max_new, stop_token_ids=())
+        while not seq.done:
+            seq.step()
+        assert seq.tokens == ar, (method, context, ids.tolist(), max_new)

@@ -7,35 +7,13 @@ went negative in `LookupDFlashProposer._lookup_alone_wins` — was such a corner
 import pytest
 import torch
 
-from drafttree.costmodel import ConvexCost, VerifyCostModel
-from drafttree.engine import generate_ar
 from drafttree.load import load_target
-from drafttree.methods import METHODS, Decoder
-from spec_helpers import random_drafter_for, weaver_for
+from drafttree.methods import Decoder
+from spec_helpers import REGIMES, assert_every_method_equals_ar, random_drafter_for, repetitive_prompts, weaver_for
 from tiny_models import make_tiny_checkpoint
 
-REGIMES = {
-    "cheap-draft": VerifyCostModel(context_lens=(0,), curves=(ConvexCost((1.0, 8.0, 64.0), (10.0, 12.0, 40.0)),),
-                                   draft_ms=1.0),
-    "dear-draft": VerifyCostModel(context_lens=(0,), curves=(ConvexCost((1.0, 8.0, 64.0), (10.0, 12.0, 40.0)),),
-                                  draft_ms=30.0),
-    "steep-verify": VerifyCostModel(context_lens=(0, 64), curves=(ConvexCost((1.0, 2.0, 64.0), (3.0, 9.0, 400.0)),
-                                                                  ConvexCost((1.0, 2.0, 64.0), (4.0, 12.0, 600.0))),
-                                    draft_ms=2.0, draft_ms_per_context_token=0.01),
-}
 
 
-def prompts(vocab: int, n: int, seed: int) -> list[torch.Tensor]:
-    """Random prompts of 1-30 tokens, every other one a repeated phrase (the lookup's matches)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        length = int(torch.randint(1, 31, (1,), generator=g))
-        ids = torch.randint(0, vocab, (length,), generator=g)
-        if i % 2:
-            ids = ids[: max(1, length // 4)].repeat(4)[:length]
-        out.append(ids)
-    return out
 
 
 @pytest.mark.parametrize("kind, regime", [("llama", "cheap-draft"), ("qwen3", "dear-draft"),
@@ -48,14 +26,8 @@ def test_every_method_equals_ar_without_exception(kind, regime, tmp_path):
                       weaver=weaver_for(target, drafter))
     vocab = target.model.config.vocab_size
     g = torch.Generator().manual_seed(7)
-    for ids in prompts(vocab, 3, seed=sorted(REGIMES).index(regime)):
-        max_new = int(torch.randint(1, 33, (1,), generator=g))
-        ar = generate_ar(target, ids, max_new, stop_token_ids=()).tokens
-        for method in METHODS[1:]:
-            seq = decoder.sequence(method, ids, max_new_tokens=max_new, stop_token_ids=())
-            while not seq.done:
-                seq.step()
-            assert seq.tokens == ar, (method, regime, ids.tolist(), max_new)
+    for ids in repetitive_prompts(vocab, 3, seed=sorted(REGIMES).index(regime)):
+        assert_every_method_equals_ar(target, decoder, ids, int(torch.randint(1, 33, (1,), generator=g)), regime)
 
 
 def test_merged_node_estimate_never_negative(tiny_checkpoint):

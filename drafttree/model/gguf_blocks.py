@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from drafttree.gguf_convert import _field, _unpermute_rope_rows
+from drafttree.gguf_convert import _field, unpermute_rope_rows
 from drafttree.ops.q4 import unpack_gguf_q4_1
 
 # runtime module (in layer i) <- GGUF tensors (blk.i.*), concatenated along the output rows
@@ -34,7 +34,7 @@ def q4_1_blocks(path: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tensor,
             for part, t in zip(parts, found):
                 q, d, m = unpack_gguf_q4_1(t.data)
                 if part in heads:  # llama.cpp's interleaved-RoPE row order -> rotate-half (a row permutation)
-                    q, d, m = (torch.from_numpy(_unpermute_rope_rows(a.numpy(), heads[part]).copy()) for a in (q, d, m))
+                    q, d, m = (torch.from_numpy(unpermute_rope_rows(a.numpy(), heads[part]).copy()) for a in (q, d, m))
                 pieces.append((q, d, m))
             out[f"layers.{i}.{module}"] = tuple(torch.cat(col) for col in zip(*pieces))
     return out

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from drafttree.gguf_convert import unpermute_rope_rows
 from drafttree.ops.int8.naive import quantize_rows
 from drafttree.ops.q4.naive import dequantize_q4_1, unpack_gguf_q4_1
 
@@ -267,10 +268,8 @@ class GGUFModelReader:
         ft = FileTensor(name, type_name, t.tensor_type, raw, n_rows, n_cols)
         kind = name.split(".")[-2]
         if self.cfg.model_type == "llama" and kind in ("attn_q", "attn_k"):
-            from drafttree.gguf_convert import _unpermute_rope_rows
-
             heads = self.cfg.num_heads if kind == "attn_q" else self.cfg.num_kv_heads
-            ft.row_order = _unpermute_rope_rows(np.arange(n_rows)[:, None], heads)[:, 0]
+            ft.row_order = unpermute_rope_rows(np.arange(n_rows)[:, None], heads)[:, 0]
         return ft
 
     @staticmethod

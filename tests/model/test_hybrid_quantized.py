@@ -4,14 +4,12 @@ verify matches one-token steps, and greedy speculation equals AR for every metho
 import pytest
 import torch
 
-from drafttree.engine import generate_ar
 from drafttree.load import load_target
-from drafttree.methods import METHODS, Decoder
+from drafttree.methods import Decoder
 from drafttree.model.hybrid import HybridModel
 from drafttree.model.linear import Int8Linear, Q4Linear
-from spec_helpers import random_drafter_for, weaver_for
-from test_every_method_property import REGIMES, prompts
-from runtime_helpers import ancestor_mask, path_to, random_tree_parents
+from spec_helpers import REGIMES, assert_every_method_equals_ar, random_drafter_for, repetitive_prompts, weaver_for
+from runtime_helpers import random_tree_parents, tree_and_step_logits
 
 transformers = pytest.importorskip("transformers")
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: E402
@@ -95,17 +93,9 @@ def test_tree_logits_match_one_token_steps(hybrid_checkpoint, compute):
     prompt = torch.randint(0, VOCAB, (9,), generator=gen)
     parents = random_tree_parents(12, gen)
     tokens = torch.randint(0, VOCAB, (12,), generator=gen)
-    mask = ancestor_mask(parents)
-    st = m.new_state(128)
-    m.prefill(st, prompt)
-    tree = m.forward(st, tokens, positions=prompt.numel() + mask.sum(1) - 1, tree_mask=mask).logits
+    tree, steps = tree_and_step_logits(m, prompt, parents, tokens)
     close = 0
-    for i in range(12):
-        st = m.new_state(128)
-        m.prefill(st, prompt)
-        for tok in tokens[path_to(parents, i)]:
-            step = m.forward(st, tok.view(1)).logits[0]
-            m.commit(st, torch.tensor([0]))
+    for i, step in enumerate(steps):
         scale = float(step.abs().max())
         close += bool((step - tree[i]).abs().max() <= 1e-5 * scale)
         assert (step - tree[i]).abs().max() <= 0.05 * scale, f"node {i}"
@@ -120,14 +110,8 @@ def test_every_method_equals_ar_on_the_quantized_hybrid(hybrid_checkpoint, compu
     decoder = Decoder(target, drafter=drafter, budget=6, max_tree_nodes=24, cost_model=REGIMES["cheap-draft"],
                       weaver=weaver_for(target, drafter))
     g = torch.Generator().manual_seed(5)
-    for ids in prompts(VOCAB, 3, seed=4):
-        max_new = int(torch.randint(8, 33, (1,), generator=g))
-        ar = generate_ar(target, ids, max_new, stop_token_ids=()).tokens
-        for method in METHODS[1:]:
-            seq = decoder.sequence(method, ids, max_new_tokens=max_new, stop_token_ids=())
-            while not seq.done:
-                seq.step()
-            assert seq.tokens == ar, (method, compute, ids.tolist(), max_new)
+    for ids in repetitive_prompts(VOCAB, 3, seed=4):
+        assert_every_method_equals_ar(target, decoder, ids, int(torch.randint(8, 33, (1,), generator=g)), compute)
 
 
 def test_zero_centered_norm_kernel_matches_its_reference():

@@ -9,7 +9,7 @@ from drafttree.model.linear import Int8Linear, Q4Linear
 from drafttree.ops.decoder import DecoderStack
 from drafttree.proposers import BestFirstPolicy, ChainPolicy, DFlashProposer
 from spec_helpers import TargetCopyProposer, random_drafter_for
-from runtime_helpers import ancestor_mask, path_to, random_tree_parents
+from runtime_helpers import random_tree_parents, tree_and_step_logits
 
 
 def int8_target(path, isa=None, compute="int8"):
@@ -50,16 +50,8 @@ def test_tree_logits_equal_sequential_steps_bit_for_bit(tiny_checkpoint, compute
     prompt = torch.randint(0, m.config.vocab_size, (9,), generator=gen)
     parents = random_tree_parents(12, gen)
     tokens = torch.randint(0, m.config.vocab_size, (12,), generator=gen)
-    mask = ancestor_mask(parents)
-    st = m.new_state(128)
-    m.prefill(st, prompt)
-    tree = m.forward(st, tokens, positions=prompt.numel() + mask.sum(1) - 1, tree_mask=mask).logits
-    for i in range(12):
-        st = m.new_state(128)
-        m.prefill(st, prompt)
-        for tok in tokens[path_to(parents, i)]:
-            step = m.forward(st, tok.view(1)).logits[0]
-            m.commit(st, torch.tensor([0]))
+    tree, steps = tree_and_step_logits(m, prompt, parents, tokens)
+    for i, step in enumerate(steps):
         assert torch.equal(step, tree[i]), f"node {i}"
 
 

@@ -231,3 +231,17 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until_healthy(proc, base: str, timeout_s: float = 600) -> None:
+    """Until a `drafttree serve` subprocess answers /health (a model load and, on a new machine, the kernel build)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            if request(base, "GET", "/health", timeout=5)[0] == 200:
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(0.5)

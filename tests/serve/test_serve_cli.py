@@ -4,12 +4,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from drafttree.cli import main
-from conftest import free_port, request
+from conftest import free_port, request, wait_until_healthy
 
 BAD = [
     (["--port", "70000"], "--port must be <= 65535"),
@@ -50,16 +49,7 @@ def test_the_command_serves_and_stops():
                              "--max-concurrency", "2"], env=env, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600  # a model load (and, on a new machine, its kernel build)
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if request(base, "GET", "/health", timeout=5)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
+        wait_until_healthy(proc, base)
         body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Say hi."}],
                 "max_tokens": 8, "temperature": 0}
         assert request(base, "POST", "/v1/chat/completions", body)[0] == 401

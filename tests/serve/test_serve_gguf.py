@@ -4,11 +4,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
-from conftest import request
 from gguf_files import write_tiny_gguf
-from conftest import free_port
+from conftest import free_port, request, wait_until_healthy
 
 
 def test_serve_a_gguf_file(tmp_path):
@@ -19,16 +17,7 @@ def test_serve_a_gguf_file(tmp_path):
                             env={**os.environ, "DRAFTTREE_API_KEY": ""})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600  # a model load (and, on a new machine, the kernel build)
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if request(base, "GET", "/health", timeout=5)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
+        wait_until_healthy(proc, base)
         replies = {}
         for method in ("ar", "lookup"):
             body = {"model": model, "messages": [{"role": "user", "content": "Say the sea, the sea, the sea."}],

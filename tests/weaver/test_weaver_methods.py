@@ -9,7 +9,7 @@ from drafttree.load import load_target
 from drafttree.proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer
 from drafttree.weaver import Weaver, WeaverConfig, WeaverProposer
 from drafttree.weaver.tree import LookaheadWeaverStream, WeaverStream
-from sampling_helpers import chi2_pvalue, exact_pair_distribution, sample_three
+from sampling_helpers import assert_sampling_matches_target
 from spec_helpers import prompts, random_drafter_for, synthetic_cost_model, weaver_for
 
 
@@ -117,13 +117,10 @@ def test_weaver_sampling_matches_target(small_vocab_target):
     params = SamplingParams(temperature=0.8, top_p=0.95)
     base = torch.tensor([3, 17, 5, 9])
     prompt = torch.cat([base, torch.tensor(generate_ar(target, base, 8, stop_token_ids=()).tokens)])
-    p1, joint = exact_pair_distribution(hf, prompt, params)
     drafter = random_drafter_for(target.model, block_size=4)
     proposer = WeaverProposer(drafter, target.model, weaver_for(target, drafter, k=12), BestFirstPolicy(6), width=3)
-    first, pairs, deep = sample_three(target, prompt, proposer, params, WEAVER_SAMPLES)
-    assert deep > WEAVER_SAMPLES // 20  # drafts were accepted, so deep tree sampling is exercised
-    assert chi2_pvalue(first, p1) > 1e-3
-    assert chi2_pvalue(pairs, joint) > 1e-3
+    # drafts were accepted, so deep tree sampling is exercised
+    assert_sampling_matches_target(target, hf, prompt, proposer, params, WEAVER_SAMPLES, WEAVER_SAMPLES // 20)
 
 
 def test_smollm2_greedy_equals_ar():
