@@ -15,7 +15,7 @@ from .costmodel import VerifyCostModel
 from .policies import CaddSelection, build_best_first_tree, build_caddtree
 from .draft_gate import DraftGate, Gate, GateMemory
 from .drafter.model import DraftContext
-from .marginals import FIRST_CHUNK, LazyDraftScores, Scores, dense_logits, log_marginals
+from .marginals import FIRST_CHUNK, FOLLOW_FIRST_CHUNK, LazyDraftScores, Scores, dense_logits, log_marginals
 from .model.linear import head_rows_source
 from .protocols import Clock, TargetModel, TreePolicy
 from .recalibrate import RoundCalibrator
@@ -99,9 +99,10 @@ class CostAwarePolicy:
     max_tree_depth: int = 8  # deeper nodes' path probabilities rarely pay for the head rows they need on CPU
     # nor for the drafter's rows: its block stops at the cap (measured on Zen 3: layers 4.0 -> 2.9 ms, τ -2 %)
     trim_block = True
-    # opt-in: the block also follows the request's trees (DFlashProposer.follow; Zen 3, AVX2: draft + tree 0.91x,
-    # τ -0.5 %); off by default because replay (drafttree.bench.replay) needs drafts that depend only on the position
-    follow_depth = False
+    # the block also follows the request's trees (DFlashProposer.follow): on a Zen 3 (AVX2, 2 threads, 9 prompts)
+    # draft 2.69 -> 2.00 ms a round with 2-row first head chunks, τ 1.61 -> 1.58. Replay (drafttree.bench.replay)
+    # records full-depth chain blocks, so its modelled τ is that of blocks that do not follow (1-2 % above)
+    follow_depth = True
     name = "caddtree"
 
     def __post_init__(self):
@@ -192,9 +193,10 @@ class DFlashProposer:
         self.drafter, self.model, self.policy, self.gate, self.lazy_rows = drafter, target_model, policy, gate, lazy_rows
         # the block's rows stop at the deepest depth the policy can place (None: as the policy prefers)
         self.trim_block = policy.trim_block if trim_block is None else trim_block
-        self.first_chunk = FIRST_CHUNK  # head rows of a round's first lazy chunk
         # a trimmed block follows the request's trees: one depth past the last tree's deepest node, at least a chunk
         self.follow_depth = self.trim_block and policy.follow_depth
+        # head rows of a round's first lazy chunk: blocks that follow shallow trees read few depths
+        self.first_chunk = FOLLOW_FIRST_CHUNK if self.follow_depth else FIRST_CHUNK
         self.capture_layers = tuple(drafter.config.target_layer_ids)
         self.depth = drafter.config.block_size - 1
         self.max_nodes = policy.max_nodes(self.depth)

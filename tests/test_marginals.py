@@ -173,15 +173,13 @@ def test_lazy_rows_decode_as_dense_rows(tiny_checkpoint, method):
 
 
 def test_cost_aware_blocks_follow_the_trees_depth(tiny_checkpoint):
-    """With the policy's follow_depth a round's block stops one depth past the previous tree's deepest node (at least the first
+    """With the policy's follow_depth (CaDDTree's default) a round's block stops one depth past the previous tree's deepest node (at least the first
     chunk of head rows, at most the depth cap); the first round drafts to the cap; output = AR's."""
     target, drafter = kernel_target_and_drafter(tiny_checkpoint[0])  # block of 8 rows: depths 1..7
     cost = VerifyCostModel(context_lens=[0], curves=[ConvexCost([1, 8, 64], [1.0, 1.05, 1.5])], draft_ms=0.5)
-    policy = CostAwarePolicy(cost)
-    policy.follow_depth = True
+    policy = CostAwarePolicy(cost)  # follows by default
     proposer = DFlashProposer(drafter, target.model, policy)
-    proposer.first_chunk = 2
-    assert proposer.follow_depth and proposer.draft_depth == 7
+    assert proposer.follow_depth and proposer.draft_depth == 7 and proposer.first_chunk == 2
     rows_seen, depths = [], []
     draft_rows, build_tree = drafter.draft_rows, proposer.build_tree
     drafter.draft_rows = lambda ctx, block, start: rows_seen.append(block.shape[0]) or draft_rows(ctx, block, start)
@@ -202,7 +200,9 @@ def test_cost_aware_blocks_stop_at_the_depth_cap(tiny_checkpoint):
     rows_seen = []
     draft_rows = drafter.draft_rows
     drafter.draft_rows = lambda ctx, block, start: rows_seen.append(block.shape[0]) or draft_rows(ctx, block, start)
-    for policy, rows in ((CostAwarePolicy(cost, max_tree_depth=3), 4), (BestFirstPolicy(6), 8)):
+    still = CostAwarePolicy(cost, max_tree_depth=3)
+    still.follow_depth = False  # the block stays at the cap (following it is tested above)
+    for policy, rows in ((still, 4), (BestFirstPolicy(6), 8)):
         proposer = DFlashProposer(drafter, target.model, policy)
         assert proposer.block_rows() == rows
         for ids in prompts(2, target.model.config.vocab_size, seed=5):
