@@ -6,7 +6,7 @@ import sys
 import time
 
 from .compute import add_compute_argument, compute_of
-from .methods import METHODS, add_weaver_args
+from .methods import METHODS, add_drafter_args, add_weaver_args
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--method", default="ar", choices=list(METHODS))
     g.add_argument("--budget", type=int, default=16, help="draft-tree nodes for --method ddtree")
-    g.add_argument("--drafter", default=None, help="drafter directory (default: the one shipped for the model)")
+    add_drafter_args(g)
     add_weaver_args(g)
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--system", default=None, help="system message")
@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--method", default="lookup-caddtree-online", choices=list(METHODS))
     d.add_argument("--budget", type=int, default=16)
-    d.add_argument("--drafter", default=None, help="drafter directory (default: the one shipped for the model)")
+    add_drafter_args(d)
     d.add_argument("--repeats", type=int, default=3, help="timed runs per method, interleaved; the median is reported")
     add_weaver_args(d)
     d.set_defaults(func=cmd_demo)

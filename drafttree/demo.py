@@ -28,7 +28,7 @@ def run_demo(a) -> int:
     # The chosen method, plus the drafter's own tree alone and the lookup alone beside it: what each source
     # earns on this machine is visible, not only their merge.
     methods = [] if a.method == "ar" else [a.method] + [m for m in BESIDE if m != a.method]
-    drafter = load_drafter_for(target, a.drafter)  # once: every method's proposer shares it
+    drafter = load_drafter_for(target, a.drafter, a.draft_vocab)  # once: every method's proposer shares it
     proposers = {m: None if m == "ar" else make_proposer(m, target, drafter, budget=a.budget,
                                                          weaver=getattr(a, "weaver", None),
                                                          weaver_width=getattr(a, "weaver_width", 8))

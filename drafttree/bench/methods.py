@@ -466,9 +466,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tree-nodes", type=int, default=128, help="caddtree's tree-size cap")
     p.add_argument("--cost-model", default=None,
                    help="caddtree's cost model JSON (default: this machine's cached one, profiled on first use)")
-    p.add_argument("--drafter", default=None, help="drafter directory (default: the one shipped for the model)")
-    from ..methods import add_weaver_args
+    from ..methods import add_drafter_args, add_weaver_args
 
+    add_drafter_args(p)
     add_weaver_args(p)
     p.add_argument("--datasets", "--sets", dest="datasets", default=",".join(DEFAULT_DATASETS),
                    help=f"comma list of {', '.join(DATASETS)} (default: {','.join(DEFAULT_DATASETS)})")
@@ -512,7 +512,7 @@ def run(args) -> int:
 
     target = load_target(args.model, compute=compute_of(args), threads=args.threads)
     speculative = [v for v in variants if v.method not in NO_DRAFTER]  # `lookup` runs without one
-    drafter = load_drafter_for(target, args.drafter) if speculative else None
+    drafter = load_drafter_for(target, args.drafter, args.draft_vocab) if speculative else None
     cost_model, cost_model_src = None, None
     if any(v.method in COST_AWARE for v in variants):
         from ..costmodel import VerifyCostModel

@@ -36,6 +36,45 @@ def with_draft_vocab(drafter: DFlashDrafter, token_counts: torch.Tensor, size: i
     return out.eval(), coverage
 
 
+RANK_FILE = "draft_vocab_rank.safetensors"
+
+
+def save_rank(ranked_ids: torch.Tensor, path) -> None:
+    """The draft vocabulary's ids, most frequent first (text_vocab --rank-out), as one safetensors tensor."""
+    from safetensors.torch import save_file
+
+    save_file({"ids": ranked_ids.to(torch.int64).contiguous()}, str(path))
+
+
+def load_rank(path) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    ids = load_file(str(path)).get("ids")
+    if ids is None or ids.dim() != 1 or ids.dtype != torch.int64:
+        raise ValueError(f"{path}: expected one int64 tensor `ids` (a ranked draft vocabulary); rewrite it with "
+                         "`python -m drafttree.drafter.text_vocab --rank-out`")
+    return ids
+
+
+def narrow_draft_vocab(drafter: DFlashDrafter, ranked_ids: torch.Tensor, size: int) -> DFlashDrafter:
+    """Keep the `size` highest-ranked ids of the drafter's draft vocabulary (in place; returns the drafter): a
+    smaller head read per drafted row, for tokens it rarely drafts right anyway. `ranked_ids` must be a ranking of
+    exactly the drafter's draft vocabulary."""
+    current = drafter.config.draft_vocab_size
+    if not current:
+        raise ValueError("the drafter scores the whole vocabulary: it has no draft vocabulary to narrow")
+    if not 0 < size <= current:
+        raise ValueError(f"a narrower draft vocabulary needs 1..{current} ids, got {size}")
+    if ranked_ids.numel() != current or not torch.equal(ranked_ids.sort().values, drafter.draft_vocab.sort().values):
+        raise ValueError("the ranking does not list the drafter's draft vocabulary: rank it again for this drafter "
+                         "(`python -m drafttree.drafter.text_vocab --rank-out`)")
+    if size < current:
+        drafter.config = dataclasses.replace(drafter.config, draft_vocab_size=size)
+        drafter.draft_vocab = ranked_ids[:size].sort().values.to(drafter.draft_vocab.device)
+        drafter._head_cache = None
+    return drafter
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", required=True)

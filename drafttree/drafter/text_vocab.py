@@ -95,6 +95,13 @@ def target_reply_counts(target_name: str, gsm8k: str, n: int, max_new_tokens: in
     return counts
 
 
+def rank_draft_vocab(draft_vocab: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """A draft vocabulary's ids, most counted first (ties by id): its first N are the N-id draft vocabulary a
+    cheaper head keeps (reduce_vocab.narrow_draft_vocab)."""
+    ids = draft_vocab.sort().values
+    return ids[counts[ids].argsort(descending=True, stable=True)]
+
+
 def coverage(order: torch.Tensor, size: int, counts: torch.Tensor) -> float:
     return float(counts[order[:size]].sum()) / max(1, int(counts.sum()))
 
@@ -117,8 +124,13 @@ def main(argv=None) -> int:
     ap.add_argument("--reply-data", default=None,
                     help="self-distillation feature shards (the target's own replies to training prompts) whose reply "
                          "tokens are counted into the ranking beside the text")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None, help="directory of the drafter with the chosen draft vocabulary")
+    ap.add_argument("--rank-out", default=None,
+                    help="instead: write the drafter's own draft vocabulary ranked by the training counts to this "
+                         "file (draft_vocab_rank.safetensors beside the drafter; see reduce_vocab.narrow_draft_vocab)")
     a = ap.parse_args(argv)
+    if (a.out is None) == (a.rank_out is None):
+        ap.error("give exactly one of --out and --rank-out")
     tok = AutoTokenizer.from_pretrained(str(convert_embedded(a.target)))
     drafter = load_drafter(a.drafter)
     vocab = drafter.config.vocab_size
@@ -132,6 +144,18 @@ def main(argv=None) -> int:
         train = train + (replies.double() * (train.sum() / max(1, int(replies.sum())))).long()
     order = train.argsort(descending=True, stable=True)
     held_all = sum(held.values())
+    if a.rank_out:
+        from .reduce_vocab import save_rank
+
+        if not drafter.config.draft_vocab_size:
+            raise SystemExit(f"{a.drafter} has no reduced draft vocabulary to rank")
+        ranked = rank_draft_vocab(drafter.draft_vocab, train)
+        save_rank(ranked, a.rank_out)
+        for s in (4096, 8192, 16384, 24576, ranked.numel()):
+            print(f"top {s} of the draft vocabulary: held-out coverage " + ", ".join(
+                f"{k} {coverage(ranked, s, v):.4f}" for k, v in held.items()), file=sys.stderr)
+        print(f"ranked {ranked.numel()} ids by {int(train.sum())} training tokens; saved to {a.rank_out}", file=sys.stderr)
+        return 0
     if a.replies:
         held["target replies"] = target_reply_counts(a.target, a.gsm8k, a.replies, a.max_new_tokens, vocab)
         print("target reply tokens counted: " + str(int(held["target replies"].sum())), file=sys.stderr)

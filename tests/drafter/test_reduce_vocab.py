@@ -120,3 +120,70 @@ def test_reduced_head_is_prepared_when_the_proposer_is_made(tiny_checkpoint):
     assert prepared is not None
     generate_speculative(target, torch.tensor([1, 5, 9, 2]), proposer, 12, stop_token_ids=())
     assert reduced._head_cache is prepared
+
+
+# ---- a narrower draft vocabulary at load time: the top-ranked ids of the drafter's own -------------------
+
+from drafttree.drafter.checkpoint import save_drafter as _save  # noqa: E402
+from drafttree.drafter.reduce_vocab import RANK_FILE, load_rank, narrow_draft_vocab, save_rank  # noqa: E402
+from drafttree.drafter.text_vocab import rank_draft_vocab  # noqa: E402
+from drafttree.engine import generate_ar, generate_speculative  # noqa: E402
+from drafttree.load import load_target  # noqa: E402
+from drafttree.methods import load_drafter_for  # noqa: E402
+from drafttree.proposers import DFlashProposer  # noqa: E402
+from spec_helpers import prompts, random_drafter_for  # noqa: E402
+
+
+def test_ranked_narrowing_keeps_the_most_counted_ids_and_their_scores(tmp_path):
+    torch.manual_seed(1)
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, vocab_size=50, target_layer_ids=[0, 1])
+    wide, _ = with_draft_vocab(DFlashDrafter(cfg).eval(), torch.arange(50), 20)  # ids 30..49
+    counts = torch.randint(0, 100, (50,))
+    ranked = rank_draft_vocab(wide.draft_vocab, counts)
+    assert sorted(ranked.tolist()) == list(range(30, 50))
+    assert counts[ranked].tolist() == sorted(counts[30:].tolist(), reverse=True)
+    save_rank(ranked, tmp_path / RANK_FILE)
+    assert torch.equal(load_rank(tmp_path / RANK_FILE), ranked)
+    head, hidden = torch.randn(50, 32), torch.randn(3, 32)
+    before = wide.draft_logits(hidden, head)
+    narrow = narrow_draft_vocab(wide, ranked, 6)
+    assert narrow.config.draft_vocab_size == 6 and torch.equal(narrow.draft_vocab, ranked[:6].sort().values)
+    after = narrow.draft_logits(hidden, head)
+    kept = narrow.draft_vocab
+    torch.testing.assert_close(after[:, kept], before[:, kept])
+    others = torch.ones(50, dtype=torch.bool).index_fill_(0, kept, False)
+    assert torch.isinf(after[:, others]).all()
+
+
+def test_narrowing_refuses_a_ranking_of_other_ids_and_bad_sizes():
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, vocab_size=50, target_layer_ids=[0, 1])
+    d, _ = with_draft_vocab(DFlashDrafter(cfg).eval(), torch.arange(50), 20)
+    with pytest.raises(ValueError, match="does not list the drafter's draft vocabulary"):
+        narrow_draft_vocab(d, torch.arange(20), 5)
+    with pytest.raises(ValueError, match="1..20 ids"):
+        narrow_draft_vocab(d, d.draft_vocab, 21)
+    with pytest.raises(ValueError, match="no draft vocabulary to narrow"):
+        narrow_draft_vocab(DFlashDrafter(cfg).eval(), torch.arange(50), 5)
+
+
+def test_a_narrowed_drafter_loads_by_default_and_stays_lossless(tiny_checkpoint, tmp_path):
+    """load_drafter_for narrows a drafter whose directory ranks its draft vocabulary (to --draft-vocab, default
+    DEFAULT_DRAFT_VOCAB; 0 keeps it all); a narrowed head decodes exactly as AR; asking without a ranking fails."""
+    target = load_target(str(tiny_checkpoint[0]), compute="q4")
+    vocab = target.model.config.vocab_size
+    drafter, _ = with_draft_vocab(random_drafter_for(target.model), torch.arange(vocab).flip(0), vocab // 2)
+    _save(drafter, tmp_path / "d")
+    with pytest.raises(FileNotFoundError, match="--draft-vocab 8 needs"):
+        load_drafter_for(target, tmp_path / "d", 8)
+    assert load_drafter_for(target, tmp_path / "d").config.draft_vocab_size == vocab // 2  # no ranking: as saved
+    save_rank(rank_draft_vocab(drafter.draft_vocab, torch.arange(vocab)), tmp_path / "d" / RANK_FILE)
+    assert load_drafter_for(target, tmp_path / "d", 0).config.draft_vocab_size == vocab // 2
+    narrow = load_drafter_for(target, tmp_path / "d", 8)
+    assert narrow.config.draft_vocab_size == 8 and narrow.draft_vocab.tolist() == list(range(vocab // 2 - 8, vocab // 2))
+    for policy in (ChainPolicy(), BestFirstPolicy(6), CostAwarePolicy(cost_model())):
+        proposer = DFlashProposer(narrow, target.model, policy)
+        for ids in prompts(2, vocab, seed=4):
+            res = generate_speculative(target, ids, proposer, 20, stop_token_ids=())
+            assert res.tokens == generate_ar(target, ids, 20, stop_token_ids=()).tokens
