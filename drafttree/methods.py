@@ -113,7 +113,8 @@ def cost_model_path(target: Target) -> Path:
 
 # 2: the draft cost is a CaDDTree round's (its depth cap, the first lazy chunk of head rows), not a 15-deep chain's;
 # 3: its drafter block stops at the depth cap and its first lazy chunk of head rows is 4 rows
-COST_MODEL_VERSION = 3
+# 4: the drafter's block follows a one-deep tree, 2-row first chunk, the drafter's default (narrowed) draft vocabulary
+COST_MODEL_VERSION = 4
 
 
 def load_or_profile_cost_model(target: Target, drafter, quiet: bool = False):

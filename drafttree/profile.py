@@ -24,7 +24,8 @@ QUICK_CONTEXTS = (128, 1024)
 def draft_cost_proposer(drafter, model):
     """The proposer whose round is C_d: CaDDTree's depth cap (the drafter's block trimmed to it), head rows computed
     lazily, so a measured round pays the drafter's layers and the first chunk of rows, what every CaDDTree round
-    pays (deeper chunks are paid by the rounds that reach them; caddtree-online's recalibration sees their mean)."""
+    pays (deeper chunks are paid by the rounds that reach them; caddtree-online's recalibration sees their mean). Its
+    block follows a one-deep tree, as CaDDTree's blocks follow the request's (mostly shallow) trees."""
     from .proposers import CostAwarePolicy, DFlashProposer
 
     policy = CostAwarePolicy(cost_model=None)  # only its depth cap: no tree is built here
@@ -49,7 +50,9 @@ def profile_costs(target, drafter, quick: bool = False, repeats: int | None = No
             ids = torch.randint(0, vocab, (ctx,), generator=gen)
             out = model.prefill(state, ids, capture_layers=proposer.capture_layers) if ctx else None
             if out is not None:
-                prefilled["draft_state"] = proposer.begin(ids, out.features)
+                prefilled["draft_state"] = draft_state = proposer.begin(ids, out.features)
+                if proposer.follow_depth:  # a round after a one-deep tree, as most CPU rounds follow
+                    proposer.follow(draft_state, 1)
             prefilled["ctx"] = ctx
 
     def measure_verify(n: int, ctx: int) -> float:
