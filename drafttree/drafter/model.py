@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from drafttree.model.layers import RMSNorm, RotaryTable, apply_rotary
+from drafttree.model.layers import FusedKernel, KernelAttention, RMSNorm, RotaryTable, StackedLayers, apply_rotary
 
 Embed = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]  # embedding weight [V, H] or ids -> [n, H]
 LMHead = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]  # head weight [V, H] or hidden -> logits
@@ -72,7 +72,7 @@ class DFlashConfig:
         return len(self.target_layer_ids) * self.target_hidden_size
 
 
-class DraftMLP(nn.Module):
+class DraftMLP(FusedKernel, nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
@@ -93,7 +93,7 @@ class DraftMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DraftAttention(nn.Module):
+class DraftAttention(FusedKernel, nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -163,7 +163,7 @@ class DraftLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(KernelAttention, StackedLayers, nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .layers import KernelAttention
 from .state import ModelState
 from .verify_input import VerifyInput
 
@@ -19,12 +20,11 @@ class ForwardOutput:
     hidden: torch.Tensor | None = None  # [T, H]: after the last layer, before the final norm (`row_logits`)
 
 
-class CausalLM(nn.Module):
+class CausalLM(KernelAttention, nn.Module):
     """Subclasses define `embed_tokens`, `norm`, `lm_head` (None when tied), `_new_state(max_len)`,
     `forward(state, tokens, positions, tree_mask, capture_layers, logits_rows, parents)` and `commit`."""
 
     config: object
-    attention_kernel: str | None = None  # ISA of the batch-invariant attention kernel (int8/q4 paths)
 
     @property
     def dtype(self) -> torch.dtype:

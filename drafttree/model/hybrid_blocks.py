@@ -8,10 +8,10 @@ import torch.nn.functional as F
 
 from .hybrid_config import HybridConfig
 from .kv_cache import KVCache
-from .layers import SwiGLU, apply_rotary, attend
+from .layers import FusedKernel, SwiGLU, apply_rotary, attend
 
 
-class ZeroCenteredRMSNorm(nn.Module):
+class ZeroCenteredRMSNorm(FusedKernel, nn.Module):
     """RMSNorm with weight stored as an offset from 1: out = norm(x) · (1 + w), computed in fp32."""
 
     def __init__(self, dim: int, eps: float):

@@ -8,7 +8,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-class RMSNorm(nn.Module):
+class FusedKernel:
+    """A module with a fused C++ form (ops.pointwise, ops.attention): model.linear.use_cpu_kernels sets its ISA."""
+
+    kernel_isa: str | None = None
+
+
+class KernelAttention:
+    """A model whose attention runs the batch-invariant C++ kernel once use_cpu_kernels sets its ISA."""
+
+    attention_kernel: str | None = None
+
+
+class StackedLayers:
+    """A model whose layers run as one C++ call (ops.decoder.DecoderStack) once use_cpu_kernels builds it."""
+
+    decoder_stack = None
+
+
+class RMSNorm(FusedKernel, nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -50,7 +68,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(FusedKernel, nn.Module):
     """gate/up fused into one matmul: one GEMM instead of two on the decode hot path."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False):

@@ -12,6 +12,8 @@ import torch.nn as nn
 from drafttree.ops.int8 import int8_linear, int8_linear_ref, pack_weight, packed_rows, prepare_weight, unpack_weight
 from drafttree.ops.q4 import pack_q4, q4_linear, q4_linear_ref, quantize_q4_1, unpack_q4
 
+from .layers import FusedKernel, KernelAttention, StackedLayers
+
 
 class Int8Linear(nn.Module):
     """Drop-in for nn.Linear: y = x·Wᵀ + b with int8 W (per-row scale) and per-row int8 x."""
@@ -166,11 +168,11 @@ def use_cpu_kernels(model: nn.Module, isa: str) -> nn.Module:
     batch-invariant attention kernel (a tree row rounds exactly as the one-token step does)."""
     kernel = "avx512_vnni" if isa == "avx512_vnni" else "avx2" if isa == "avx2" else "scalar"
     for m in model.modules():
-        if hasattr(m, "kernel_isa"):  # norms and MLPs that have a fused C++ form
+        if isinstance(m, FusedKernel):  # norms, MLPs and attention that have a fused C++ form
             m.kernel_isa = kernel
-    if hasattr(model, "attention_kernel"):
+    if isinstance(model, KernelAttention):
         model.attention_kernel = kernel
-    if hasattr(model, "decoder_stack"):
+    if isinstance(model, StackedLayers):
         from drafttree.ops.decoder import DecoderStack
 
         model.decoder_stack = DecoderStack.of(model)

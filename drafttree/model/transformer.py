@@ -16,7 +16,7 @@ from drafttree.ops.attention import rope_tree_attention, rope_tree_attention_bat
 from .config import ModelConfig
 from .decoder import CausalLM, ForwardOutput
 from .kv_cache import KVCache, check_room
-from .layers import AttentionMask, RMSNorm, RotaryTable, SwiGLU, apply_rotary, attend
+from .layers import AttentionMask, RMSNorm, RotaryTable, StackedLayers, SwiGLU, apply_rotary, attend
 from .state import ModelState
 from .verify_input import VerifyInput
 
@@ -85,7 +85,7 @@ def additive_mask(visible: torch.Tensor, group: int, dtype: torch.dtype) -> torc
     return m.repeat(group, 1)
 
 
-class Transformer(CausalLM):
+class Transformer(StackedLayers, CausalLM):
     config: ModelConfig
 
     def __init__(self, cfg: ModelConfig):

@@ -5,7 +5,7 @@ import torch
 
 from drafttree.engine import generate_ar, generate_speculative
 from drafttree.load import load_target
-from drafttree.model.linear import Int8Linear, Q4Linear
+from drafttree.model.linear import Int8Linear, Q4Linear, quantize_linears, use_cpu_kernels
 from drafttree.ops.decoder import DecoderStack
 from drafttree.proposers import BestFirstPolicy, ChainPolicy, DFlashProposer
 from spec_helpers import TargetCopyProposer, random_drafter_for
@@ -138,3 +138,18 @@ def test_rows_the_walk_reaches_later_equal_the_full_forward(tiny_checkpoint, com
         for node in reversed(range(tree.num_nodes)):  # off-path nodes first: each costs one more head call
             assert torch.equal(lazy(node), full[node]), (shape, node)
         assert lazy.head_calls <= 1 + tree.num_nodes - len(tree.principal_path())
+
+
+def test_every_module_with_a_fused_form_is_switched_by_type(tiny_checkpoint):
+    """use_cpu_kernels routes modules by their class (FusedKernel / KernelAttention / StackedLayers), never by
+    attribute probing: every module holding a `kernel_isa` is a FusedKernel, and on a kernel path every one is set."""
+    from drafttree.model.layers import FusedKernel, KernelAttention, StackedLayers
+
+    target = load_target(str(tiny_checkpoint[0]), compute="q4")
+    drafter = random_drafter_for(target.model)
+    use_cpu_kernels(quantize_linears(drafter.fuse_projections(), "scalar"), "scalar")
+    for model in (target.model, drafter):
+        assert isinstance(model, KernelAttention) and isinstance(model, StackedLayers)
+        assert model.attention_kernel is not None and model.decoder_stack is not None
+        holders = [m for m in model.modules() if "kernel_isa" in vars(m)]
+        assert holders and all(isinstance(m, FusedKernel) and m.kernel_isa is not None for m in holders)
