@@ -101,8 +101,8 @@ class CostAwarePolicy:
     trim_block = True
     # the block also follows the request's trees (DFlashProposer.follow): on a Zen 3 (AVX2, 2 threads, 9 prompts)
     # draft 2.69 -> 2.00 ms a round with 2-row first head chunks, τ 1.61 -> 1.58. Replay (drafttree.bench.replay)
-    # records full-depth chain blocks, so its modelled τ is that of blocks that do not follow (1-2 % above)
-    follow_depth = True
+    # records full-depth chain blocks, so it models blocks that do not follow (follow_depth=False; τ 1-2 % above)
+    follow_depth: bool = True
     name = "caddtree"
 
     def __post_init__(self):

@@ -200,8 +200,7 @@ def test_cost_aware_blocks_stop_at_the_depth_cap(tiny_checkpoint):
     rows_seen = []
     draft_rows = drafter.draft_rows
     drafter.draft_rows = lambda ctx, block, start: rows_seen.append(block.shape[0]) or draft_rows(ctx, block, start)
-    still = CostAwarePolicy(cost, max_tree_depth=3)
-    still.follow_depth = False  # the block stays at the cap (following it is tested above)
+    still = CostAwarePolicy(cost, max_tree_depth=3, follow_depth=False)  # the block stays at the cap (following: above)
     for policy, rows in ((still, 4), (BestFirstPolicy(6), 8)):
         proposer = DFlashProposer(drafter, target.model, policy)
         assert proposer.block_rows() == rows

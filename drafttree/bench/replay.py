@@ -9,7 +9,8 @@ policy's quality is measured without the wall-clock noise that dominates `draftt
 machines. What replay cannot see: costs the model misses (read them off `drafttree bench`), and the lookup
 methods (drafttree.lookup): their trees also hold continuations found in the request's own text, weighed by a
 calibration that follows the rounds the policy chose, which a recorded drafter stream does not hold (compare
-them with `drafttree bench`).
+them with `drafttree bench`); and CaDDTree's default blocks that follow the request's trees (their drafts depend on
+the trees before them): replay models CaDDTree with `follow_depth=False`, whose τ is 1-2 % above the default's.
 """
 from __future__ import annotations
 

@@ -29,7 +29,8 @@ def test_replay_matches_real_rounds(tiny_checkpoint, kind):
     recorder, make = proposers(path, target)[kind]
     cost = synthetic_cost_model()
     cases = [(FixedBudget(b), lambda b=b: BestFirstPolicy(b)) for b in (1, 4, 16)]
-    cases.append((CostAware(cost, 32), lambda: CostAwarePolicy(cost, max_tree_nodes=32)))
+    # replay's streams are full-depth blocks: the real CaDDTree it reproduces keeps its block at the cap
+    cases.append((CostAware(cost, 32), lambda: CostAwarePolicy(cost, max_tree_nodes=32, follow_depth=False)))
     for ids in prompts(2, target.model.config.vocab_size, seed=3):
         streams = record_draft_streams(target, recorder, ids, MAX_NEW, 32, stop_token_ids=())
         assert len(streams.tokens) == MAX_NEW
