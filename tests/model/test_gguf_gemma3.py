@@ -145,3 +145,10 @@ def test_270m_lookup_caddtree_online_equals_ar(gemma3_270m):
         while not seq.done:
             seq.step()
         assert seq.tokens == ar, method
+
+
+def test_270m_without_a_chat_template_continues_the_text(gemma3_270m):
+    """The base model's file has no chat template: a chat prompt is its text after the BOS, as llama.cpp reads it."""
+    ids = gemma3_270m.encode_chat("The capital of France is")
+    assert ids.tolist() == gemma3_270m.tokenizer("The capital of France is")["input_ids"]
+    assert int(ids[0]) == gemma3_270m.tokenizer.bos_token_id
