@@ -126,6 +126,8 @@ def write_tiny_gguf(path, arch: str = "llama", weight_type: str = "Q8_0", seed: 
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
         w.add_pad_token_id(2)
+        if arch == "gemma3":  # transformers builds a gemma3 file's tokenizer as SentencePiece, which needs an unknown
+            w.add_unk_token_id(0)  # token for text the byte-level vocabulary cut here does not cover
         w.add_add_bos_token(False)
         w.add_chat_template(tok["template"])
     for key, value in (extra_keys or {}).items():
