@@ -212,7 +212,9 @@ class Transformer(CausalLM):
         cos_l, sin_l = self.rope_local(positions, self.dtype)
         return (cos, sin, mask), (cos_l, sin_l, self._window_mask(mask, positions, t))
 
-    def _embed_scaled(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embedded tokens as the first layer reads them (gemma3: times sqrt(hidden), as transformers' Gemma
+        embedding returns them, so that a drafter trained there sees what it saw)."""
         x = self.embed_tokens(tokens)
         return x if self.config.embed_scale == 1.0 else x * self.config.embed_scale
 
@@ -233,7 +235,7 @@ class Transformer(CausalLM):
             positions = torch.arange(past, past + t)
         mask = self._mask(past, t, tree_mask)
         (cos, sin, mask), local = self._layer_inputs(positions, mask, t)
-        x = self._embed_scaled(tokens)
+        x = self.embed(tokens)
         if self.decoder_stack is not None and mask.kernel_isa is not None:  # the layer loop below, in one call
             x, captured = self.decoder_stack(x, cos, sin, cache, mask.past, mask.tree, capture_layers)
         else:
@@ -259,7 +261,7 @@ class Transformer(CausalLM):
         segments = [(e - n, e, self._mask(check_room(st.kv, n), n, b.mask), st.kv)
                     for st, b, n, e in zip(states, batches, sizes, ends)]
         cos, sin = self.rope(torch.cat([b.positions for b in batches]), self.dtype)
-        x = self.embed_tokens(torch.cat([b.tokens for b in batches]))
+        x = self.embed(torch.cat([b.tokens for b in batches]))
         wanted = set().union(*capture_layers)
         captured = {}
         for i, layer in enumerate(self.layers):
