@@ -152,3 +152,11 @@ def test_270m_without_a_chat_template_continues_the_text(gemma3_270m):
     ids = gemma3_270m.encode_chat("The capital of France is")
     assert ids.tolist() == gemma3_270m.tokenizer("The capital of France is")["input_ids"]
     assert int(ids[0]) == gemma3_270m.tokenizer.bos_token_id
+
+
+def test_a_file_without_a_window_runs_every_layer_global(tmp_path):
+    """As llama.cpp does (LLAMA_SWA_TYPE_NONE) when gemma3.attention.sliding_window is absent."""
+    path = write_tiny_gguf(tmp_path / "global.gguf", "gemma3", "F32", tokenizer=False,
+                           drop_keys=("gemma3.attention.sliding_window",))
+    model, _ = build_gguf_model(path, "fp32", quiet=True)
+    assert model.config.sliding_layers == () and all(layer.attn.window == 0 for layer in model.layers)
