@@ -39,7 +39,7 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype | No
     """Load a target model with its tokenizer, on a compute path (see drafttree.compute).
 
     `name_or_path` is an embedded model name (see `EMBEDDED`), a directory with config.json,
-    *.safetensors and tokenizer files of a supported family, or a llama/qwen2/qwen3 GGUF file (config,
+    *.safetensors and tokenizer files of a supported family, or a llama/qwen2/qwen3/gemma3 GGUF file (config,
     tokenizer and chat template from its metadata; see drafttree.model.gguf_model). `compute` is "auto" (the fastest path
     on this CPU, what the CLI uses), "fp32", "bf16" or "int8"; a `dtype` alone selects fp32 or bf16;
     with neither, the fp32 reference path; "q4" runs a GGUF model's own Q4_1 blocks (HF weights are

@@ -30,11 +30,16 @@ class Target:
         return self.tokenizer
 
     def encode_chat(self, prompt: str | list[dict], system: str | None = None) -> torch.Tensor:
-        """Token ids of a chat prompt (a user message or a list of messages) ready for the assistant's turn."""
+        """Token ids of a chat prompt (a user message or a list of messages) ready for the assistant's turn. A model
+        without a chat template (a base model's GGUF, e.g. Gemma 3 270M) continues the messages' text instead: their
+        contents one after another, with the tokenizer's own special tokens (its BOS)."""
         tok = self._need_tokenizer()
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if system is not None:
             messages = [{"role": "system", "content": system}, *messages]
+        if not getattr(tok, "chat_template", None):
+            text = "\n\n".join(str(m["content"]) for m in messages)
+            return torch.tensor(tok(text, add_special_tokens=True)["input_ids"], dtype=torch.long)
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
         return torch.tensor(ids, dtype=torch.long)
 

@@ -1,4 +1,4 @@
-"""Tiny random llama / qwen2 / qwen3 models written as GGUF files by the tests themselves (gguf.GGUFWriter), in any
+"""Tiny random llama / qwen2 / qwen3 / gemma3 models written as GGUF files by the tests themselves (gguf.GGUFWriter), in any
 of the types drafttree reads, with a small real tokenizer in the metadata; and the reference every test compares
 against: a transformers model on the file's weights as gguf.quants.dequantize reads them."""
 from __future__ import annotations
@@ -14,6 +14,9 @@ SHAPE = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, head_d
              theta=10000.0)
 VOCAB = 1024  # the first 1024 tokens of SmolLM2's byte-level BPE (special tokens, the 256 bytes, early merges)
 WEIGHT_STD = 0.15  # random weights large enough that greedy choices are well separated
+
+# gemma3: 6 layers, so that the sixth is global (llama.cpp's pattern: every 6th layer) and five slide a window of 8
+GEMMA3 = dict(layers=6, window=8, theta=1e6)
 
 # Q4_K_M as llama.cpp makes it: most matrices Q4_K, attn_v / ffn_down / the output Q6_K
 Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K", "token_embd": "Q4_K"}
@@ -81,6 +84,9 @@ def encode(w: np.ndarray, type_name: str, rng: np.random.Generator) -> tuple[np.
         return w.astype(np.float16), None
     if type_name in _K_SCALES:
         return random_k_quant(type_name, *w.shape, rng), qtype
+    if type_name in ("Q2_K", "Q3_K"):  # types drafttree refuses: their bytes are never read, random ones do
+        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        return rng.integers(0, 256, size=(w.shape[0], w.shape[1] // block * nbytes), dtype=np.uint8), qtype
     return quantize(w.astype(np.float32), qtype), qtype
 
 
@@ -92,9 +98,11 @@ def write_tiny_gguf(path, arch: str = "llama", weight_type: str = "Q8_0", seed: 
     import gguf
 
     path = Path(path)
-    s, types = SHAPE, dict(types or {})
+    s, types = dict(SHAPE), dict(types or {})
+    if arch == "gemma3":
+        s.update(layers=GEMMA3["layers"], theta=GEMMA3["theta"])
     rng = np.random.default_rng(seed)
-    tied = arch == "llama" if tied is None else tied
+    tied = arch in ("llama", "gemma3") if tied is None else tied
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny {arch} {weight_type}")
     w.add_block_count(s["layers"])
@@ -109,6 +117,8 @@ def write_tiny_gguf(path, arch: str = "llama", weight_type: str = "Q8_0", seed: 
     w.add_layer_norm_rms_eps(s["eps"])
     w.add_rope_freq_base(s["theta"])
     w.add_vocab_size(VOCAB)
+    if arch == "gemma3":
+        w.add_uint32("gemma3.attention.sliding_window", GEMMA3["window"])
     if tokenizer:
         tok = small_tokenizer_fields()
         w.add_tokenizer_model("gpt2")
@@ -119,6 +129,8 @@ def write_tiny_gguf(path, arch: str = "llama", weight_type: str = "Q8_0", seed: 
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
         w.add_pad_token_id(2)
+        if arch == "gemma3":  # transformers builds a gemma3 file's tokenizer as SentencePiece, which needs an unknown
+            w.add_unk_token_id(0)  # token for text the byte-level vocabulary cut here does not cover
         w.add_add_bos_token(False)
         w.add_chat_template(tok["template"])
     for key, value in (extra_keys or {}).items():
@@ -153,9 +165,12 @@ def write_tiny_gguf(path, arch: str = "llama", weight_type: str = "Q8_0", seed: 
         if arch == "qwen2":
             for part, n in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
                 vector(f"{b}.{part}.bias", n, 0.0)
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             vector(f"{b}.attn_q_norm.weight", hd, 1.0)
             vector(f"{b}.attn_k_norm.weight", hd, 1.0)
+        if arch == "gemma3":  # stored as llama.cpp's converter writes Gemma's norms: 1 + w
+            vector(f"{b}.post_attention_norm.weight", s["hidden"], 1.0)
+            vector(f"{b}.post_ffw_norm.weight", s["hidden"], 1.0)
     for key in drop_keys:
         for kv in w.kv_data:
             kv.pop(key, None)
@@ -170,6 +185,8 @@ _HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v
              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
              "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
              "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_HF_GEMMA3_NAMES = {**_HF_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 
 
 def dequantized_reference(path, arch: str):
@@ -179,6 +196,8 @@ def dequantized_reference(path, arch: str):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     s = SHAPE
+    if arch == "gemma3":
+        return _gemma3_reference(path)
     reader = gguf.GGUFReader(str(path))
     state = {}
     for t in reader.tensors:
@@ -203,6 +222,41 @@ def dequantized_reference(path, arch: str):
     model = {"llama": lambda: LlamaForCausalLM(LlamaConfig(**common)),
              "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**common)),
              "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**common))}[arch]()
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()}, strict=False)
+    assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
+    return model.float().eval()
+
+
+def _gemma3_reference(path):
+    """transformers' Gemma3ForCausalLM on the file's weights: its own sliding-window masks, GeGLU, (1 + w) norms
+    (the file's norms less the 1 llama.cpp's converter adds), embedding scale and per-layer-type RoPE."""
+    import gguf
+    from gguf.quants import dequantize
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    s = {**SHAPE, **GEMMA3}
+    state = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        x = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(t.shape[::-1].tolist())
+        if t.name.endswith("norm.weight"):
+            x = x - 1.0
+        if t.name == "token_embd.weight":
+            state["model.embed_tokens.weight"] = x
+        elif t.name == "output_norm.weight":
+            state["model.norm.weight"] = x
+        else:
+            _, layer, kind, what = t.name.split(".")
+            state[f"model.layers.{layer}.{_HF_GEMMA3_NAMES[kind]}.{what}"] = x
+    cfg = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
+        max_position_embeddings=s["context"], rms_norm_eps=s["eps"], query_pre_attn_scalar=s["head_dim"],
+        sliding_window=s["window"], layer_types=["full_attention" if i % 6 == 5 else "sliding_attention"
+                                                 for i in range(s["layers"])],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": s["theta"]},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, attn_implementation="eager")
+    model = Gemma3ForCausalLM(cfg)
     missing, unexpected = model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()}, strict=False)
     assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
     return model.float().eval()

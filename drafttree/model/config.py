@@ -22,7 +22,21 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False  # qwen3: per-head RMSNorm on q and k before RoPE
+    qk_norm: bool = False  # qwen3, gemma3: per-head RMSNorm on q and k before RoPE
+    # Gemma 3 (the defaults are llama's / qwen's)
+    sliding_window: int = 0  # a sliding-window layer's query at position p sees keys at p - sliding_window < j <= p
+    sliding_layers: tuple[bool, ...] = ()  # per layer: True for a sliding-window (local) layer; () none
+    rope_theta_local: float = 0.0  # the sliding-window layers' RoPE base
+    attention_scale: float = 0.0  # what q·k is multiplied by (0: head_dim ** -0.5)
+    embed_scale: float = 1.0  # the embedded tokens are multiplied by this (gemma3: sqrt(hidden_size))
+    mlp_activation: str = "silu"  # "silu": SwiGLU; "gelu_tanh": GeGLU (gemma3)
+    sandwich_norms: bool = False  # gemma3: an RMSNorm on the attention's output and on the MLP's, before the residual
+
+    @property
+    def plain_layers(self) -> bool:
+        """Every layer the llama/qwen3 shape (what the C++ decoder stack and the batched verify run)."""
+        return (not self.sliding_layers and not self.sandwich_norms and self.mlp_activation == "silu"
+                and self.embed_scale == 1.0 and self.attention_scale in (0.0, self.head_dim ** -0.5))
 
     @classmethod
     def from_hf(cls, hf) -> "ModelConfig":

@@ -1,4 +1,4 @@
-"""A GGUF file of the llama, qwen2 or qwen3 family straight into the dense runtime (`--model file.gguf`).
+"""A GGUF file of the llama, qwen2, qwen3 or gemma3 family straight into the dense runtime (`--model file.gguf`).
 
 Config, tokenizer and chat template come from the file's metadata. The tensors are read through
 GGUFReader's memory map and converted a few rows at a time into the types drafttree has kernels for,
@@ -32,9 +32,9 @@ from .config import ModelConfig
 from .linear import Int8Linear, Int8TiedEmbedding, Q4Linear, use_cpu_kernels
 from .transformer import Transformer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 Q4_1_SOURCES = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit values with a scale and an offset per 32 weights: Q4_1's shape
-INT8_SOURCES = ("Q8_0", "Q5_K", "Q6_K", "F16", "BF16", "F32")  # more than 4 bits: int8 rows are the nearest kernel
+INT8_SOURCES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "F16", "BF16", "F32")  # more than 4 bits: int8 rows are the nearest kernel
 READABLE_TYPES = Q4_1_SOURCES + INT8_SOURCES
 CHUNK_WEIGHTS = 1 << 20  # weights converted at a time: 4 MB of fp32 (and its temporaries), whatever the model's size
 REQUANTIZE_HINT = ("re-quantize it to one of these with llama.cpp (`llama-quantize in.gguf out.gguf Q4_K_M`), or "
@@ -44,7 +44,13 @@ REQUANTIZE_HINT = ("re-quantize it to one of these with llama.cpp (`llama-quanti
 FUSED_LINEARS = {"attn.qkv": ("attn_q", "attn_k", "attn_v"), "attn.o": ("attn_output",),
                  "mlp.gate_up": ("ffn_gate", "ffn_up"), "mlp.down": ("ffn_down",)}
 LAYER_FLOATS = {"attn_norm.weight": "input_norm.weight", "ffn_norm.weight": "post_norm.weight",
-                "attn_q_norm.weight": "attn.q_norm.weight", "attn_k_norm.weight": "attn.k_norm.weight"}
+                "attn_q_norm.weight": "attn.q_norm.weight", "attn_k_norm.weight": "attn.k_norm.weight",
+                # gemma3's norms on the attention's and the MLP's outputs
+                "post_attention_norm.weight": "attn_out_norm.weight", "post_ffw_norm.weight": "mlp_out_norm.weight"}
+# gemma3 as llama.cpp (0.3.36) runs it; the file does not say: every 6th layer global, the others sliding-window
+# with their own RoPE base (llama_hparams.set_swa_pattern(6), rope_freq_base_train_swa = 10000)
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_ROPE_BASE_LOCAL = 10000.0
 
 
 class GGUFError(ValueError):
@@ -97,8 +103,8 @@ def architecture(reader, path: Path) -> str:
     arch = str(_value(reader, "general.architecture", path))
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{path.name}: GGUF architecture {arch!r} is not supported: drafttree runs "
-                        f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUF files (gemma3 is planned, issue 37); use a GGUF "
-                        "of one of these families or a Hugging Face checkpoint directory of a supported family")
+                        f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUF files; use a GGUF of one of these families or a "
+                        "Hugging Face checkpoint directory of a supported family")
     return arch
 
 
@@ -119,12 +125,14 @@ def read_config(reader, path: Path) -> ModelConfig:
     if rotary != head_dim:
         raise GGUFError(f"{path.name}: RoPE over {rotary} of {head_dim} head dimensions (partial rotary) is not supported")
     qkv_bias = "blk.0.attn_q.bias" in tensors
+    layers = _scalar(reader, f"{arch}.block_count", path)
+    gemma = _gemma3_fields(reader, path, layers, hidden, heads, head_dim) if arch == "gemma3" else {}
     return ModelConfig(
         model_type=arch,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ne = [hidden, vocab]: the rows are the vocabulary
         hidden_size=hidden,
         intermediate_size=_scalar(reader, f"{arch}.feed_forward_length", path),
-        num_layers=_scalar(reader, f"{arch}.block_count", path),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=_scalar(reader, f"{arch}.attention.head_count_kv", path, default=heads),
         head_dim=head_dim,
@@ -135,7 +143,30 @@ def read_config(reader, path: Path) -> ModelConfig:
         # qwen2: q/k/v have biases, the output projection has none (given zeros: the runtime's o has a bias
         # exactly when q/k/v have one)
         attention_bias=qkv_bias,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
+        **gemma,
+    )
+
+
+def _gemma3_fields(reader, path: Path, layers: int, hidden: int, heads: int, head_dim: int) -> dict:
+    """What gemma3 adds to the llama shape, as llama.cpp reads it. The norms need nothing: llama.cpp's converter
+    stores Gemma's (1 + w) RMSNorm weights with the 1 already added."""
+    softcap = _scalar(reader, "gemma3.final_logit_softcapping", path, float, default=0.0)
+    if softcap:
+        raise GGUFError(f"{path.name}: final logit softcapping ({softcap}) is not supported (Gemma 3 has none; "
+                        "this file's model is another variant): use a gemma3 GGUF without it")
+    window = _scalar(reader, "gemma3.attention.sliding_window", path, default=0)
+    return dict(
+        sliding_window=window,
+        # without a window llama.cpp runs every layer global (LLAMA_SWA_TYPE_NONE)
+        sliding_layers=tuple(i % GEMMA3_SWA_PATTERN < GEMMA3_SWA_PATTERN - 1 for i in range(layers)) if window else (),
+        rope_theta_local=GEMMA3_ROPE_BASE_LOCAL,
+        # llama.cpp: (hidden / heads) ** -0.5 for the 27 B model (62 layers, query_pre_attn_scalar = 168), else
+        # head_dim ** -0.5
+        attention_scale=(hidden / heads) ** -0.5 if layers == 62 else head_dim**-0.5,
+        embed_scale=hidden**0.5,
+        mlp_activation="gelu_tanh",
+        sandwich_norms=True,
     )
 
 
@@ -349,7 +380,7 @@ class GGUFModelReader:
 
 def build_gguf_model(path: str | Path, compute: str = "fp32", isa: str | None = None, quiet: bool = False,
                      reader=None) -> tuple[Transformer, ConversionReport]:
-    """The runtime model of a llama/qwen2/qwen3 GGUF file on a compute path ("fp32", "bf16", "int8", "q4"),
+    """The runtime model of a llama/qwen2/qwen3/gemma3 GGUF file on a compute path ("fp32", "bf16", "int8", "q4"),
     and the measured conversion error (printed to stderr unless `quiet`)."""
     path = Path(path)
     reader = reader if reader is not None else open_gguf(path)
@@ -380,6 +411,8 @@ def build_gguf_model(path: str | Path, compute: str = "fp32", isa: str | None = 
         for file_name, runtime in LAYER_FLOATS.items():
             if runtime.startswith("attn.") and not cfg.qk_norm:
                 continue  # q/k norms: qwen3 only (a llama file that has them fails as having unused tensors)
+            if runtime.endswith("_out_norm.weight") and not cfg.sandwich_norms:
+                continue  # gemma3 only
             floats[f"layers.{i}.{runtime}"] = files.floats(f"blk.{i}.{file_name}", torch.float32)
     _set_embedding_and_head(model, files, cfg, compute, isa)
     unused = files.unused()

@@ -45,19 +45,32 @@ class RMSNorm(FusedKernel, nn.Module):
 
 
 class RotaryTable(nn.Module):
-    """cos/sin of rotate-half RoPE, precomputed for every position up to max_positions."""
+    """cos/sin of rotate-half RoPE, precomputed for every position up to max_positions (or, with
+    `precompute=False`, computed for the positions asked for: the same bits, elementwise in float64, without
+    a table of max_positions x rotary_dim floats, 67 MB for Gemma 3's 32 k positions of 256 dimensions)."""
 
-    def __init__(self, rotary_dim: int, theta: float, max_positions: int):
+    def __init__(self, rotary_dim: int, theta: float, max_positions: int, precompute: bool = True):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-        angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        self.max_positions = max_positions
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+        if precompute:
+            cos, sin = self._cos_sin(torch.arange(max_positions))
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
+        else:
+            self.cos = self.sin = None
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
         emb = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", emb.cos().float(), persistent=False)
-        self.register_buffer("sin", emb.sin().float(), persistent=False)
+        return emb.cos().float(), emb.sin().float()
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if int(positions.max()) >= self.cos.shape[0]:
-            raise ValueError(f"position {int(positions.max())} exceeds the model's maximum {self.cos.shape[0] - 1}")
+        if int(positions.max()) >= self.max_positions:
+            raise ValueError(f"position {int(positions.max())} exceeds the model's maximum {self.max_positions - 1}")
+        if self.cos is None:
+            cos, sin = self._cos_sin(positions)
+            return cos.to(dtype), sin.to(dtype)
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
@@ -87,6 +100,22 @@ class SwiGLU(FusedKernel, nn.Module):
         return self.down(F.silu(gate) * up)
 
 
+class GeGLU(nn.Module):
+    """Gemma's MLP: gelu_tanh(gate) * up, gate/up fused into one matmul. Elementwise torch ops on every path (no
+    fused C++ form yet), which round each element alike whatever the number of rows: a tree row gets the bits of
+    the one-token step."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        return self.down(F.gelu(gate.contiguous(), approximate="tanh") * up)
+
+
 @dataclass
 class AttentionMask:
     """What the T new rows of one forward see: every committed key, and among the new keys `tree`."""
@@ -95,17 +124,21 @@ class AttentionMask:
     tree: torch.Tensor | None  # bool [T, T] among the new keys; None: causal
     additive: torch.Tensor | None  # [group*T, past+T] for the matmul path (None: nothing masked)
     kernel_isa: str | None = None  # run the batch-invariant C++ kernel (ops.attention) with this ISA
+    # a sliding-window layer on the kernel path, where the window hides some key from some row: per new row, the
+    # cache rows it sees (a slice, or their indices), each row then its own kernel call; None: one call, as above
+    window_keys: list | None = None
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: AttentionMask,
+           scale: float | None = None) -> torch.Tensor:
     """Grouped-query attention with the query heads sharing a KV head stacked on the row axis:
     q [kv_heads, group*T, d], keys/values [kv_heads, past+T, d] -> [kv_heads, group*T, d]."""
-    d = q.shape[-1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if mask.kernel_isa is not None:
         from drafttree.ops.attention import tree_attention
 
-        return tree_attention(q, keys, values, mask.past, mask.tree, d**-0.5, mask.kernel_isa)
-    scores = torch.matmul(q, keys.transpose(1, 2)) * d**-0.5
+        return tree_attention(q, keys, values, mask.past, mask.tree, scale, mask.kernel_isa)
+    scores = torch.matmul(q, keys.transpose(1, 2)) * scale
     if mask.additive is not None:
         scores = scores + mask.additive
     probs = scores.float().softmax(-1).to(values.dtype)

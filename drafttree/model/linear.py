@@ -41,7 +41,9 @@ class Int8Linear(nn.Module):
         layer.out_features = q.shape[0]
         layer.weight_packed = pack_weight(q)
         layer.weight_scale = scale.float().contiguous()
-        layer.weight_sum = q.sum(dim=1, dtype=torch.int32)
+        # row sums a few thousand rows at a time: a sum to int32 widens its input first (Gemma 3's 262 k-row
+        # embedding: a 670 MB temporary)
+        layer.weight_sum = torch.cat([rows.sum(dim=1, dtype=torch.int32) for rows in q.split(4096)])
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from drafttree.cli import main  # noqa: E402
 from drafttree.engine import generate_ar  # noqa: E402
 from drafttree.methods import generate  # noqa: E402
 
-TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M"]
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M"]
 FILES = [("llama", t) for t in TYPES] + [("qwen3", t) for t in TYPES] + [("qwen2", "Q8_0"), ("qwen2", "Q4_K_M")]
 FUSED = [("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")]  # concatenated into one runtime matrix
 PROMPT = torch.tensor([5, 300, 17, 900, 44, 2, 1, 600, 33, 33, 33, 70])
@@ -239,9 +239,9 @@ def test_unknown_architecture(tmp_path, capsys):
 
 
 def test_unsupported_type(tmp_path, capsys):
-    err = one_line_error(capsys, write_tiny_gguf(tmp_path / "q.gguf", "llama", "Q8_0", types={"ffn_up": "Q5_0"},
+    err = one_line_error(capsys, write_tiny_gguf(tmp_path / "q.gguf", "llama", "Q8_0", types={"ffn_up": "Q2_K"},
                                                  tokenizer=False))
-    assert "ffn_up.weight is Q5_0" in err and "llama-quantize" in err
+    assert "ffn_up.weight is Q2_K" in err and "llama-quantize" in err
 
 
 def test_missing_metadata(tmp_path, capsys):

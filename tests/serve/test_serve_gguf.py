@@ -5,12 +5,15 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from gguf_files import write_tiny_gguf
 from conftest import free_port, request, wait_until_healthy
 
 
-def test_serve_a_gguf_file(tmp_path):
-    model = str(write_tiny_gguf(tmp_path / "tiny-qwen3-q4_k.gguf", "qwen3", "Q4_K"))
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_serve_a_gguf_file(tmp_path, arch):
+    model = str(write_tiny_gguf(tmp_path / f"tiny-{arch}-q4_k.gguf", arch, "Q4_K"))
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "drafttree.cli", "serve", "--model", model, "--method", "lookup",
                              "--port", str(port), "--threads", "1"], stderr=subprocess.PIPE, text=True,

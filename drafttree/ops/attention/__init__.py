@@ -19,13 +19,14 @@ __all__ = ["rope_tree_attention", "rope_tree_attention_batched", "tree_attention
 
 def rope_tree_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, past: int, visible: torch.Tensor | None, n_heads: int, n_kv: int,
-                        isa: str, q_norm=None, k_norm=None) -> torch.Tensor:
+                        isa: str, q_norm=None, k_norm=None, scale: float | None = None) -> torch.Tensor:
     """The attention half of a layer in one call: optional per-head RMSNorm (q_norm/k_norm modules, qwen3),
     RoPE on q/k of qkv [T, (Hq+2Hkv)·d], k/v written to the cache rows [past, past+T) of
     k_cache/v_cache [Hkv, Lmax, d], then tree_attention -> [T, Hq·d]."""
     d = k_cache.shape[-1]
     eps = q_norm.eps if q_norm is not None else 0.0
-    return extension().rope_tree_attention(qkv, cos, sin, k_cache, v_cache, past, visible, n_heads, n_kv, d**-0.5,
+    scale = d**-0.5 if scale is None else scale
+    return extension().rope_tree_attention(qkv, cos, sin, k_cache, v_cache, past, visible, n_heads, n_kv, scale,
                                            None if q_norm is None else q_norm.weight,
                                            None if k_norm is None else k_norm.weight, eps, ISA_CODES[isa])
 

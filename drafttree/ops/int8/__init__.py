@@ -15,8 +15,11 @@ def pack_weight(q: torch.Tensor) -> torch.Tensor:
     together; N padded to 16 and K to 4 with zeros."""
     n, k = q.shape
     np_, kp = -(-n // PANEL) * PANEL, -(-k // 4) * 4
-    padded = torch.zeros(np_, kp, dtype=torch.int8)
-    padded[:n, :k] = q
+    if (np_, kp) == (n, k):  # no padding: no padded copy (a 262 k-row embedding's would be 168 MB more at load)
+        padded = q
+    else:
+        padded = torch.zeros(np_, kp, dtype=torch.int8)
+        padded[:n, :k] = q
     return padded.view(np_ // PANEL, PANEL, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
