@@ -1,4 +1,4 @@
-"""Labelled positions/s of the anchor-parallel generator (drafttree.drafter.anchor_labels) beside the
+"""Labelled positions/s of the anchor-parallel generator (drafttree.training.anchor_labels) beside the
 self-distillation generator (datagen.generate_packed), same machine, same run; prints the CPU's ISA.
 
   .venv/bin/python bench/anchor_labels_throughput.py --seconds 40 --threads 1 [--out results.json]
@@ -7,7 +7,7 @@ import argparse
 import json
 
 from drafttree.compute import cpu_info
-from drafttree.drafter.anchor_labels import measure_throughput
+from drafttree.training.anchor_labels import measure_throughput
 from drafttree.load import load_target
 
 

@@ -13,9 +13,9 @@ import time
 import torch
 
 from drafttree.compute import cpu_info
-from drafttree.drafter.batched_replies import generate_batch, hf_model_for
-from drafttree.drafter.datagen import gsm8k_train_prompts
-from drafttree.drafter.runtime_replies import generate_runtime
+from drafttree.training.batched_replies import generate_batch, hf_model_for
+from drafttree.training.datagen import gsm8k_train_prompts
+from drafttree.training.runtime_replies import generate_runtime
 from drafttree.load import load_target
 from drafttree.sampling import SamplingParams
 

@@ -109,7 +109,7 @@ def main():
     for p in procs.values():
         p.stdin.close()
     base = next(iter(revs))
-    print(f"| method | revision | tok/s | τ | draft ms | tree ms | verify ms per drafted round | draft + tree vs base |")
+    print("| method | revision | tok/s | τ | draft ms | tree ms | verify ms per drafted round | draft + tree vs base |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     def draft_tree_ms(t: dict) -> float:  # per drafted round
         return (t["draft_s"] + t["tree_s"]) * 1e3 / max(t["drafted"], 1)

@@ -13,11 +13,11 @@ import torch
 
 from drafttree.atomic import atomic_write_text
 from drafttree.drafter.checkpoint import load_drafter
-from drafttree.drafter.data import FeatureDataset
-from drafttree.drafter.train import BlockForward, build_batch, load_target_head
+from drafttree.training.data import FeatureDataset
+from drafttree.training.train import BlockForward, build_batch, load_target_head
 from drafttree.methods import SHIPPED_DRAFTERS
 from drafttree.weaver.checkpoint import load_weaver
-from drafttree.weaver.train import _add, step_metrics, summarise, teacher_forced
+from drafttree.training.weaver_train import _add, step_metrics, summarise, teacher_forced
 
 
 def main(argv=None) -> int:

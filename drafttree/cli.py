@@ -127,18 +127,18 @@ def cmd_check_lossless(a) -> int:
 
 def cmd_train(a) -> int:
     if a.what == "drafter":
-        from .drafter.train import main as train_main
+        from .training.train import main as train_main
 
         return train_main(a.rest) or 0
     if a.what == "weaver":
-        from .weaver.train import main as weaver_main
+        from .training.weaver_train import main as weaver_main
 
         return weaver_main(a.rest)
     if _option(a.rest, "--engine") == "anchors":  # labels from existing text: its own options (`--engine anchors --help`)
-        from .drafter.anchor_labels import main as anchors_main
+        from .training.anchor_labels import main as anchors_main
 
         return anchors_main(a.rest)
-    from .drafter.datagen import main as datagen_main
+    from .training.datagen import main as datagen_main
 
     return datagen_main(a.rest)
 

@@ -69,7 +69,7 @@ def load_drafter_for(target: Target, path: str | Path | None = None, draft_vocab
     rank_file = path / RANK_FILE
     if draft_vocab and not rank_file.exists():
         raise FileNotFoundError(f"--draft-vocab {draft_vocab} needs {rank_file} (the draft vocabulary ranked by "
-                                "frequency): write it with `python -m drafttree.drafter.text_vocab --rank-out`")
+                                "frequency): write it with `python -m drafttree.training.text_vocab --rank-out`")
     size = DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab
     if size and rank_file.exists() and size < drafter.config.draft_vocab_size:
         narrow_draft_vocab(drafter, load_rank(rank_file), size)

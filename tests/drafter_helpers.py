@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from drafttree.drafter import DFlashConfig
-from drafttree.drafter.data import FeatureShardWriter
+from drafttree.training.data import FeatureShardWriter
 
 
 V, H, LAYER_IDS = 64, 32, [0, 1, 2]

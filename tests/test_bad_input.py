@@ -523,7 +523,7 @@ def train_inputs(tmp_path_factory):
     step 2 (checkpoint to resume)."""
     from drafter_helpers import synthetic
 
-    from drafttree.drafter.train import main as train_main
+    from drafttree.training.train import main as train_main
 
     root = tmp_path_factory.mktemp("train")
     data, target, _ = synthetic(root)
@@ -550,8 +550,8 @@ def _train(data, target, out, *extra):
     ("--bf16", "maybe", ["--bf16"]), ("--heldout", "no-such-dir", ["--heldout", "not a directory"]),
 ])
 def test_train_drafter_refuses_bad_options(run_cli, monkeypatch, tmp_path, train_inputs, option, value, words):
-    monkeypatch.setattr("drafttree.drafter.train.load_target_head", lambda *a, **k: pytest.fail("target read first"))
-    monkeypatch.setattr("drafttree.drafter.train.FeatureDataset", lambda *a, **k: pytest.fail("data read first"))
+    monkeypatch.setattr("drafttree.training.train.load_target_head", lambda *a, **k: pytest.fail("target read first"))
+    monkeypatch.setattr("drafttree.training.train.FeatureDataset", lambda *a, **k: pytest.fail("data read first"))
     data, target, _ = train_inputs
     _assert_one_line_error(*run_cli(*_train(data, target, tmp_path / "out", option, value)), *words)
 
@@ -582,7 +582,7 @@ def test_truncated_or_foreign_training_shard(run_cli, tmp_path, train_inputs):
 def test_training_data_with_token_ids_beyond_the_vocabulary(run_cli, tmp_path, train_inputs):
     import shutil
 
-    from drafttree.drafter.data import write_feature_shard
+    from drafttree.training.data import write_feature_shard
     from drafter_helpers import LAYER_IDS, V, H
 
     data, target, _ = train_inputs
@@ -615,7 +615,7 @@ def test_resume_after_a_kill_between_the_checkpoint_renames(tmp_path, train_inpu
     between leaves only checkpoint.old, which is whole, and the next run resumes from it."""
     import shutil
 
-    from drafttree.drafter.train import main as train_main
+    from drafttree.training.train import main as train_main
 
     data, target, run = train_inputs
     out = tmp_path / "run"
@@ -628,7 +628,7 @@ def test_resume_after_a_kill_between_the_checkpoint_renames(tmp_path, train_inpu
 
 
 def test_stale_partial_shards_are_removed(tmp_path):
-    from drafttree.drafter.data import FeatureShardWriter
+    from drafttree.training.data import FeatureShardWriter
 
     old, fresh = tmp_path / "features-00000.safetensors.partial", tmp_path / "features-00001.safetensors.partial"
     for p in (old, fresh):
@@ -652,7 +652,7 @@ def test_stale_partial_shards_are_removed(tmp_path):
     (["--package-code", "5", "--code-packages", "numpy,leftpad"], ["--code-packages", "leftpad", "licence"]),
 ])
 def test_train_data_refuses_bad_options(run_cli, monkeypatch, args, words):
-    monkeypatch.setattr("drafttree.drafter.datagen.stdlib_code_prompts", lambda *a, **k: pytest.fail("prompts read first"))
+    monkeypatch.setattr("drafttree.training.datagen.stdlib_code_prompts", lambda *a, **k: pytest.fail("prompts read first"))
     _assert_one_line_error(*run_cli("train", "data", "--out", "data", *args), *words)
 
 

@@ -5,17 +5,15 @@ The drafter's LM head over SmolLM2's 49,152 tokens is about 40 % of a draft step
 outside the reduced set can still be produced — by the target, as the bonus token — it just cannot
 be drafted. Kept only where τ barely moves and the draft step gets cheaper (measure both).
 
-  python -m drafttree.drafter.reduce_vocab --drafter DIR --data DATA_DIR --size 8192 --out DIR
+A reduced head from training shards: `python -m drafttree.training.draft_vocab`; the shipped drafter's ranking
+(narrowed at load time): `python -m drafttree.training.text_vocab --rank-out`.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import torch
 
-from .checkpoint import load_drafter, save_drafter
-from .data import FeatureDataset
 from .model import DFlashDrafter
 
 
@@ -52,7 +50,7 @@ def load_rank(path) -> torch.Tensor:
     ids = load_file(str(path)).get("ids")
     if ids is None or ids.dim() != 1 or ids.dtype != torch.int64:
         raise ValueError(f"{path}: expected one int64 tensor `ids` (a ranked draft vocabulary); rewrite it with "
-                         "`python -m drafttree.drafter.text_vocab --rank-out`")
+                         "`python -m drafttree.training.text_vocab --rank-out`")
     return ids
 
 
@@ -67,28 +65,9 @@ def narrow_draft_vocab(drafter: DFlashDrafter, ranked_ids: torch.Tensor, size: i
         raise ValueError(f"a narrower draft vocabulary needs 1..{current} ids, got {size}")
     if ranked_ids.numel() != current or not torch.equal(ranked_ids.sort().values, drafter.draft_vocab.sort().values):
         raise ValueError("the ranking does not list the drafter's draft vocabulary: rank it again for this drafter "
-                         "(`python -m drafttree.drafter.text_vocab --rank-out`)")
+                         "(`python -m drafttree.training.text_vocab --rank-out`)")
     if size < current:
         drafter.config = dataclasses.replace(drafter.config, draft_vocab_size=size)
         drafter.draft_vocab = ranked_ids[:size].sort().values.to(drafter.draft_vocab.device)
         drafter._head_cache = None
     return drafter
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--drafter", required=True)
-    ap.add_argument("--data", required=True, help="feature shards whose reply tokens are counted")
-    ap.add_argument("--size", type=int, required=True)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args(argv)
-    drafter = load_drafter(a.drafter)
-    counts = FeatureDataset(a.data).token_counts(drafter.config.vocab_size)
-    reduced, coverage = with_draft_vocab(drafter, counts, a.size)
-    save_drafter(reduced, a.out)
-    print(f"draft vocabulary {a.size} ids cover {coverage:.2%} of the reply tokens; saved to {a.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -126,7 +126,7 @@ def test_reduced_head_is_prepared_when_the_proposer_is_made(tiny_checkpoint):
 
 from drafttree.drafter.checkpoint import save_drafter as _save  # noqa: E402
 from drafttree.drafter.reduce_vocab import RANK_FILE, load_rank, narrow_draft_vocab, save_rank  # noqa: E402
-from drafttree.drafter.text_vocab import rank_draft_vocab  # noqa: E402
+from drafttree.training.text_vocab import rank_draft_vocab  # noqa: E402
 from drafttree.engine import generate_ar, generate_speculative  # noqa: E402
 from drafttree.load import load_target  # noqa: E402
 from drafttree.methods import load_drafter_for  # noqa: E402

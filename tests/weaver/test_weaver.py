@@ -199,7 +199,7 @@ def test_training_lowers_the_loss_resumes_identically_and_the_cli_runs(tmp_path)
 
     from drafttree.drafter.checkpoint import save_drafter
     from drafttree.drafter.model import DFlashDrafter
-    from drafttree.weaver.train import WeaverTrainConfig, main, train_weaver
+    from drafttree.training.weaver_train import WeaverTrainConfig, main, train_weaver
 
     data, target, embed = synthetic(tmp_path)
     torch.manual_seed(0)
@@ -235,10 +235,10 @@ def test_training_lowers_the_loss_resumes_identically_and_the_cli_runs(tmp_path)
 def test_training_with_a_reduced_draft_vocabulary_uses_its_candidates(tmp_path):
     from drafter_helpers import synthetic, tiny_cfg
 
-    from drafttree.drafter.data import FeatureDataset
+    from drafttree.training.data import FeatureDataset
     from drafttree.drafter.model import DFlashDrafter
-    from drafttree.drafter.train import BlockForward, build_batch
-    from drafttree.weaver.train import WeaverTrainConfig, teacher_forced, train_weaver
+    from drafttree.training.train import BlockForward, build_batch
+    from drafttree.training.weaver_train import WeaverTrainConfig, teacher_forced, train_weaver
 
     data, _, embed = synthetic(tmp_path)
     torch.manual_seed(0)

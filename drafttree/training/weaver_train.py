@@ -1,7 +1,7 @@
 """`drafttree train weaver`: train a Weaver on the drafter's self-distillation data, drafter and target frozen.
 
 Teacher forcing along the target's own continuation: for a block at anchor a (drawn as the drafter's
-trainer draws them, drafttree.drafter.train.build_batch), the path is root = token a, then the target's
+trainer draws them, drafttree.training.train.build_batch), the path is root = token a, then the target's
 tokens a+1, a+2, ...; the node at depth d sees that path and the drafter's hidden state h_{d+1}, and is
 trained to give the target's token at depth d+1 among the drafter's top-K candidates there, or "other"
 when it is not among them. Cross-entropy weighted exp(-(d-1)/gamma) by depth, like the drafter's loss.
@@ -26,11 +26,11 @@ from tqdm import tqdm
 
 from ..atomic import atomic_path, atomic_write_text
 from ..drafter.checkpoint import load_drafter
-from ..drafter.data import FeatureDataset
-from ..drafter.train import BlockForward, build_batch, load_optimizer, lr_at, save_optimizer
+from .data import FeatureDataset
+from .train import BlockForward, build_batch, load_optimizer, lr_at, save_optimizer
 from ..validate import InputError
-from .checkpoint import check_weaver_fits, load_weaver, save_weaver
-from .model import Weaver, WeaverConfig, candidates_from_logits
+from ..weaver.checkpoint import check_weaver_fits, load_weaver, save_weaver
+from ..weaver.model import Weaver, WeaverConfig, candidates_from_logits
 
 
 @dataclass
@@ -306,7 +306,7 @@ class _TargetShape:
 
 
 def main(argv=None) -> int:
-    from ..drafter.train import load_target_head
+    from .train import load_target_head
     from ..validate import check_threads, check_writable
 
     p = argparse.ArgumentParser(prog="drafttree train weaver", description=__doc__,

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from drafttree.drafter.anchor_labels import (anchor_blocks, anchor_positions, chat_ids, contaminated,
+from drafttree.training.anchor_labels import (anchor_blocks, anchor_positions, chat_ids, contaminated,
                                              gsm8k_dialogues, ngrams)
-from drafttree.drafter.data import AnchorShardWriter, FeatureDataset
-from drafttree.drafter.loss import linear_ce_kl
+from drafttree.training.data import AnchorShardWriter, FeatureDataset
+from drafttree.training.loss import linear_ce_kl
 from drafttree.drafter.model import DFlashDrafter
-from drafttree.drafter.train import TrainConfig, block_loss, build_batch, train_drafter
+from drafttree.training.train import TrainConfig, block_loss, build_batch, train_drafter
 from drafttree.engine import generate_ar
 from drafttree.load import load_target
 
@@ -131,7 +131,7 @@ def _anchor_shard(tmp_path, top_k=3, n_seq=12, T=40, depth=3):
     data, target, embed = synthetic(tmp_path / "plain", n_seq=n_seq, T=T)
     ds = FeatureDataset(data)
     g = torch.Generator().manual_seed(0)
-    from drafttree.drafter.anchor_labels import AnchorBlocks
+    from drafttree.training.anchor_labels import AnchorBlocks
 
     w = AnchorShardWriter(tmp_path / "anchors", LAYER_IDS, depth)
     for i in range(n_seq):
@@ -227,7 +227,7 @@ def test_soft_target_training_lowers_the_loss(tmp_path):
     ds = FeatureDataset(data)
     d = DFlashDrafter(tiny_cfg()).float()
     batch = build_batch([ds[0], ds[1]], d.config, 4, torch.Generator().manual_seed(0), gamma=7.0)
-    from drafttree.drafter.train import BlockForward
+    from drafttree.training.train import BlockForward
 
     with torch.no_grad():
         hid = BlockForward(d, embed)(batch["context_features"].float(), batch["context_positions"],
@@ -254,7 +254,7 @@ def test_train_data_dispatches_to_the_anchor_generator(tmp_path):
 
 def test_evaluation_sets_are_filtered_out():
     from drafttree.datasets import load_prompts
-    from drafttree.drafter.anchor_labels import evaluation_ngrams
+    from drafttree.training.anchor_labels import evaluation_ngrams
 
     grams, checked = evaluation_ngrams()
     if not all(checked[name].endswith("records") for name in ("humaneval", "gsm8k", "mtbench")):

@@ -4,7 +4,7 @@ the prefill's features for every fed row, and the target's top-k at every reply 
 import pytest
 import torch
 
-from drafttree.drafter.runtime_replies import generate_runtime
+from drafttree.training.runtime_replies import generate_runtime
 from drafttree.engine import generate_ar
 from drafttree.load import load_target
 from drafttree.sampling import SamplingParams

@@ -7,7 +7,7 @@ vocabulary size is measured on the held-out 10 %. With `--replies N` the size is
 what the drafter must actually predict: the target's own greedy replies to N training prompts (GSM8K
 train questions, stdlib code requests, ShareGPT first turns; never an evaluation set).
 
-  python -m drafttree.drafter.text_vocab --gsm8k ../shared/data/gsm8k/train.jsonl --drafter DIR --out DIR \
+  python -m drafttree.training.text_vocab --gsm8k ../shared/data/gsm8k/train.jsonl --drafter DIR --out DIR \
       --replies 90
 """
 from __future__ import annotations
@@ -110,8 +110,8 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from ..gguf_convert import convert_embedded
-    from .checkpoint import load_drafter, save_drafter
-    from .reduce_vocab import with_draft_vocab
+    from ..drafter.checkpoint import load_drafter, save_drafter
+    from ..drafter.reduce_vocab import with_draft_vocab
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gsm8k", required=True, help="GSM8K train.jsonl")
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     order = train.argsort(descending=True, stable=True)
     held_all = sum(held.values())
     if a.rank_out:
-        from .reduce_vocab import save_rank
+        from ..drafter.reduce_vocab import save_rank
 
         if not drafter.config.draft_vocab_size:
             raise SystemExit(f"{a.drafter} has no reduced draft vocabulary to rank")

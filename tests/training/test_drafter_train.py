@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from drafttree.drafter import load_drafter
-from drafttree.drafter.data import FeatureDataset, FeatureShardWriter
+from drafttree.training.data import FeatureDataset, FeatureShardWriter
 from drafttree.drafter.model import DFlashDrafter
-from drafttree.drafter.train import BlockForward, TrainConfig, build_batch, main, train_drafter
+from drafttree.training.train import BlockForward, TrainConfig, build_batch, main, train_drafter
 from drafter_helpers import H, LAYER_IDS, V, synthetic, tiny_cfg
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,7 +112,7 @@ WORKER = textwrap.dedent("""
     from safetensors.torch import save_file
     sys.path.insert(0, {tests!r})
     from drafter_helpers import synthetic_paths, tiny_cfg
-    from drafttree.drafter.train import TrainConfig, train_drafter
+    from drafttree.training.train import TrainConfig, train_drafter
     torch.set_num_threads(1)
     data, embed = synthetic_paths({tmp!r})
     tc = TrainConfig(steps=4, seqs_per_step=2, blocks_per_seq=4, lr=3e-3, warmup_steps=1, log_every=2)
@@ -155,7 +155,7 @@ def test_heldout_tau_is_logged_and_rises(tmp_path):
     assert 1.0 <= rows[0]["heldout_tau"] <= 4.0 and rows[-1]["heldout_tau"] > rows[0]["heldout_tau"]
     assert res["final"]["step"] == 40 and "loss" in res["final"]
     # the same drafter scored again: the held-out anchors are fixed, so the figure repeats exactly
-    from drafttree.drafter.train import _use_bf16, heldout_batches, heldout_metrics
+    from drafttree.training.train import _use_bf16, heldout_batches, heldout_metrics
 
     d, bf16 = res["drafter"], _use_bf16(tc.bf16)
     head = d.head_weight(embed).to(torch.bfloat16 if bf16 else torch.float32)
@@ -198,7 +198,7 @@ def test_self_distillation_soft_targets_follow_the_label_rows(tmp_path):
 def test_inconsistent_top_k_in_a_plain_shard_is_refused(tmp_path):
     import pytest
 
-    from drafttree.drafter.data import write_feature_shard
+    from drafttree.training.data import write_feature_shard
 
     seq = (torch.arange(10), torch.zeros(10, 3 * H), torch.ones(10))
     write_feature_shard(tmp_path / "d" / "features-00000.safetensors", [seq], LAYER_IDS,

@@ -4,9 +4,9 @@ Each generator writes manifest.json beside its shards (settings, decontamination
 licences, and `prompt_digest` of every prompt). Shards made before manifests existed get their digests from
 the shards themselves (`digests_from_shards`: the user turn decoded from the stored prompt tokens). `merge`
 joins the manifests of every data directory a drafter was trained on into the one shipped beside its weights;
-tests/drafter/test_training_manifest.py checks it against every evaluation prompt.
+tests/training/test_training_manifest.py checks it against every evaluation prompt.
 
-  python -m drafttree.drafter.manifest --out drafttree/weights/NAME/data-manifest.json runs/data-a runs/data-b
+  python -m drafttree.training.manifest --out drafttree/weights/NAME/data-manifest.json runs/data-a runs/data-b
 """
 from __future__ import annotations
 

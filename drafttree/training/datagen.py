@@ -4,7 +4,7 @@ Replies are decoded for many prompts at once by packing them into one KV cache: 
 forward already takes an arbitrary visibility mask over (cache + new tokens), so each sequence sees
 only its own rows. This multiplies decode throughput on a batch-1 runtime without a second code path.
 
-  python -m drafttree.drafter.datagen --out runs/data --gsm8k ../shared/data/gsm8k/train.jsonl
+  python -m drafttree.training.datagen --out runs/data --gsm8k ../shared/data/gsm8k/train.jsonl
 """
 from __future__ import annotations
 
@@ -244,7 +244,7 @@ def check_arguments(a) -> tuple[int, ...]:
     from ..validate import check_finite, check_int, check_model_cache, check_model_dir, check_threads, check_writable
 
     if a.engine == "anchors":  # its own options and module; the CLI routes it there
-        raise InputError("--engine anchors is drafttree.drafter.anchor_labels: run `drafttree train data --engine "
+        raise InputError("--engine anchors is drafttree.training.anchor_labels: run `drafttree train data --engine "
                          "anchors ...` (its options: `--engine anchors --help`)")
     if not a.gsm8k and not a.code and not a.sharegpt and not a.package_code:
         raise InputError("no prompt source: give --gsm8k FILE (GSM8K's train jsonl), --code N (stdlib code prompts), "

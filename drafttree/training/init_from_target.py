@@ -12,9 +12,9 @@ import sys
 import torch
 
 from ..model.weights import read_safetensors_dir
-from .checkpoint import save_drafter
+from ..drafter.checkpoint import save_drafter
 from .data import FeatureDataset
-from .model import DFlashDrafter
+from ..drafter.model import DFlashDrafter
 from .train import drafter_config_from_target, load_target_head
 
 

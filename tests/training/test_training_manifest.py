@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from drafttree.datasets import CODE_INSTRUCTION, MATH_INSTRUCTION, load_prompts
-from drafttree.drafter.datagen import parse_part
-from drafttree.drafter.manifest import evaluation_digests, prompt_digest
+from drafttree.training.datagen import parse_part
+from drafttree.training.manifest import evaluation_digests, prompt_digest
 from drafttree.validate import InputError
 
 WEIGHTS = Path(__file__).resolve().parents[2] / "drafttree" / "weights"
@@ -51,8 +51,8 @@ def test_merge_reads_manifests_and_recovers_digests_from_older_shards(tmp_path):
     import torch
     from transformers import AutoTokenizer
 
-    from drafttree.drafter.data import FeatureShardWriter
-    from drafttree.drafter.manifest import DataManifest, merge, user_turn
+    from drafttree.training.data import FeatureShardWriter
+    from drafttree.training.manifest import DataManifest, merge, user_turn
     from drafttree.gguf_convert import convert_embedded
 
     tok = AutoTokenizer.from_pretrained(str(convert_embedded("smollm2-135m-instruct")))

@@ -2,7 +2,7 @@
 length-sorted order keeps every prompt and sorts only within windows."""
 import torch
 
-from drafttree.drafter.datagen import generate_packed, length_sorted
+from drafttree.training.datagen import generate_packed, length_sorted
 from drafttree.engine import generate_ar
 from drafttree.load import load_target
 from drafttree.sampling import SamplingParams

@@ -3,7 +3,7 @@ lengths give the same replies as our AR and the same features as our runtime's p
 import torch
 from transformers import AutoModelForCausalLM
 
-from drafttree.drafter.batched_replies import generate_batch
+from drafttree.training.batched_replies import generate_batch
 from drafttree.engine import generate_ar
 from drafttree.load import load_target
 from drafttree.sampling import SamplingParams
@@ -48,7 +48,7 @@ def test_last_layer_is_refused(tiny_checkpoint):
 
 
 def test_hf_model_for_a_target_has_its_weights(tiny_checkpoint):
-    from drafttree.drafter.batched_replies import hf_model_for
+    from drafttree.training.batched_replies import hf_model_for
     from drafttree.load import load_target
 
     path, _ = tiny_checkpoint

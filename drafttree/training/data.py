@@ -13,7 +13,7 @@ header metadata (strings): format="drafttree-dflash-features", version="1",
   target_layer_ids (JSON list), feature_dim, plus anything the writer adds (e.g. target name).
 Shards are read lazily through safetensors slices (memory-mapped; nothing is unpickled).
 
-Anchor-label shards (`anchors-00000.safetensors`, drafttree.drafter.anchor_labels) carry their own
+Anchor-label shards (`anchors-00000.safetensors`, drafttree.training.anchor_labels) carry their own
 labels beside the same tensors (loss_mask marks the reply tokens there):
   anchors         int32   [M]        anchor positions within their sequence, sorted
   anchor_offsets  int64   [S + 1]    sequence i's anchors are rows anchor_offsets[i]:anchor_offsets[i+1]

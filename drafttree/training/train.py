@@ -1,4 +1,4 @@
-"""Train a DFlash drafter on precomputed target features (see drafttree/drafter/data.py).
+"""Train a DFlash drafter on precomputed target features (see drafttree/training/data.py).
 
 One step: for each of a few sequences pick random anchors a in the response; block = [token a,
 mask x (B-1)] at positions a..a+B-1 sees the context features of positions < a and its own block
@@ -7,7 +7,7 @@ All blocks of a step run in one packed forward with a block-diagonal + context-p
 The target's embedding and LM head are frozen tensors passed in. Runs alone or under torchrun
 (DDP, gloo). Checkpoints are safetensors + JSON only.
 
-  python -m drafttree.drafter.train --data DIR --target TARGET_DIR --out DIR --steps 2000
+  python -m drafttree.training.train --data DIR --target TARGET_DIR --out DIR --steps 2000
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 from drafttree.atomic import atomic_path, atomic_write_text
 from drafttree.drafter.checkpoint import load_drafter, save_drafter
-from drafttree.drafter.data import FeatureDataset
-from drafttree.drafter.loss import linear_ce_kl, linear_cross_entropy
+from drafttree.training.data import FeatureDataset
+from drafttree.training.loss import linear_ce_kl, linear_cross_entropy
 from drafttree.drafter.model import DFlashConfig, DFlashDrafter, block_attention_mask
 from drafttree.validate import InputError
 
@@ -644,7 +644,7 @@ def check_arguments(a) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Train a DFlash drafter on precomputed target features.")
-    p.add_argument("--data", required=True, help="directory of feature shards (drafttree.drafter.data)")
+    p.add_argument("--data", required=True, help="directory of feature shards (drafttree.training.data)")
     p.add_argument("--out", required=True, help="output directory (checkpoint/, drafter/, metrics.json, plots)")
     p.add_argument("--target", help="target: Hugging Face directory (config.json + safetensors) or an embedded model name; "
                    "only its embedding, LM head and shape are read")
