@@ -37,9 +37,11 @@ class Target:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if system is not None:
             messages = [{"role": "system", "content": system}, *messages]
-        if not getattr(tok, "chat_template", None):
+        # A transformers tokenizer says "no template" with chat_template None; one without that attribute (the
+        # tests' character tokenizer) brings its own apply_chat_template.
+        if hasattr(tok, "chat_template") and not tok.chat_template:
             text = "\n\n".join(str(m["content"]) for m in messages)
-            return torch.tensor(tok(text, add_special_tokens=True)["input_ids"], dtype=torch.long)
+            return torch.tensor(tok.encode(text, add_special_tokens=True), dtype=torch.long)
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
         return torch.tensor(ids, dtype=torch.long)
 
