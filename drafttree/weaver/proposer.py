@@ -41,7 +41,8 @@ class WeaverDraft:
 class WeaverProposer:
     def __init__(self, drafter, target_model: TargetModel, weaver: Weaver, policy: TreePolicy, width: int = 8,
                  call_ms: float | None = None, lookahead: bool | None = None):
-        if not isinstance(policy, (BestFirstPolicy, CostAwarePolicy)) or getattr(policy, "recalibrate", False):
+        if not isinstance(policy, (BestFirstPolicy, CostAwarePolicy)) or (isinstance(policy, CostAwarePolicy)
+                                                                          and policy.recalibrate):
             raise ValueError("a Weaver proposer takes a fixed budget (BestFirstPolicy) or CaDDTree's stop (CostAwarePolicy "
                              "without recalibration)")
         if isinstance(width, bool) or not isinstance(width, int) or width < 1:
@@ -67,9 +68,8 @@ class WeaverProposer:
     def draft(self, state: DFlashState, root: int, start: int) -> WeaverDraft:
         d = self.drafter
         hidden = d.draft(state.context, self.inner.block_embeds(root), start)[1:1 + self.draft_depth]
-        if hasattr(d, "draft_scores"):  # columns over the draft vocabulary (all ids when it is not reduced)
-            return WeaverDraft(d.draft_scores(hidden, self.inner.lm_head), hidden, d.draft_token_ids)
-        return WeaverDraft(d.draft_logits(hidden, self.inner.lm_head), hidden)
+        # columns over the draft vocabulary (all ids when it is not reduced: draft_token_ids is then None)
+        return WeaverDraft(d.draft_scores(hidden, self.inner.lm_head), hidden, d.draft_token_ids)
 
     def stream(self, root: int, drafted: WeaverDraft, max_nodes: int | None = None) -> WeaverStream:
         inputs = round_inputs(self.weaver, drafted.logits, drafted.hidden, self.model.embed, drafted.token_ids)
