@@ -1,7 +1,7 @@
 """Exact greedy τ of several drafters on whole prompt sets, side by side, without a clock.
 
 Greedy speculative decoding emits AR's tokens whatever the drafter, so a round's outcome depends only on
-where it starts (drafttree.bench.replay): per prompt AR's reply is decoded once, then each drafter drafts
+where it starts (drafttree.apps.bench.replay): per prompt AR's reply is decoded once, then each drafter drafts
 at every position of it (its context growing one token at a time, as in decoding) and the rounds of the
 chain and of DDTree at fixed budgets are replayed on those drafts. Decoding with the same drafter on the
 same compute path gives the same τ (`drafttree bench` / `check-lossless` measure it the slow way).

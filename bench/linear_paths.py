@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from drafttree.bench.peers import read_bandwidth_gbs
+from drafttree.apps.bench.peers import read_bandwidth_gbs
 from drafttree.compute import cpu_info
 from drafttree.ops.int8 import int8_linear, prepare_weight
 from drafttree.ops.q4 import pack_q4, q4_linear, quantize_q4_1

@@ -133,7 +133,7 @@ def get(base: str, path: str, timeout: float = 10.0) -> tuple[int, dict]:
 
 def start_server(a, log_path: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "drafttree.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "drafttree.apps.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--model", a.model, "--compute", a.compute, "--method", a.method, "--budget", str(a.budget),
            "--max-concurrency", str(a.max_concurrency), "--max-waiting", str(max(1024, a.clients))]
     if a.threads:

@@ -100,7 +100,7 @@ class CostAwarePolicy:
     # nor for the drafter's rows: its block stops at the cap (measured on Zen 3: layers 4.0 -> 2.9 ms, τ -2 %)
     trim_block = True
     # the block also follows the request's trees (DFlashProposer.follow): on a Zen 3 (AVX2, 2 threads, 9 prompts)
-    # draft 2.69 -> 2.00 ms a round with 2-row first head chunks, τ 1.61 -> 1.58. Replay (drafttree.bench.replay)
+    # draft 2.69 -> 2.00 ms a round with 2-row first head chunks, τ 1.61 -> 1.58. Replay (drafttree.apps.bench.replay)
     # records full-depth chain blocks, so it models blocks that do not follow (follow_depth=False; τ 1-2 % above)
     follow_depth: bool = True
     name = "caddtree"

@@ -1,7 +1,7 @@
 """Checks of user input, run before any model is loaded: a bad value fails in a second with one clear
 line instead of minutes later inside a forward pass (or never, as a silently wrong result).
 
-Used by the command line (drafttree.cli) and the Python API (SamplingParams, cost-model and drafter loading).
+Used by the command line (drafttree.apps.cli) and the Python API (SamplingParams, cost-model and drafter loading).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from drafttree import cli
+from drafttree.apps import cli
 from drafttree.atomic import atomic_path
 from drafttree.costmodel import ConvexCost, CostModelError, VerifyCostModel
 from drafttree.drafter.checkpoint import config_from_dict, load_drafter, save_drafter
@@ -91,7 +91,7 @@ def test_init_from_a_truncated_drafter(run_cli, tmp_path, train_inputs):
 
 def test_check_lossless_run_checks_before_loading(monkeypatch):
     """The same refusals when run() is called directly, without the CLI's checks."""
-    from drafttree.bench import lossless
+    from drafttree.apps.bench import lossless
 
     monkeypatch.setattr("drafttree.load.load_target", lambda *a, **k: pytest.fail("model loaded"))
     base = dict(methods="chain", datasets="gsm8k", limit=None, max_new_tokens=8, budget=16)
@@ -102,7 +102,7 @@ def test_check_lossless_run_checks_before_loading(monkeypatch):
 
 
 def test_check_lossless_fails_when_nothing_was_checked(monkeypatch, tmp_path, capsys):
-    from drafttree.bench import lossless
+    from drafttree.apps.bench import lossless
 
     monkeypatch.setattr("drafttree.load.load_target", lambda *a, **k: SimpleNamespace(name="fake"))
     monkeypatch.setattr("drafttree.methods.load_drafter_for", lambda target, path: None)
@@ -247,7 +247,7 @@ def test_stale_conversion_temporaries_are_removed(tmp_path):
 
 
 def test_replay_streams_that_are_not_an_archive_say_so(tmp_path):
-    from drafttree.bench.replay import load_streams
+    from drafttree.apps.bench.replay import load_streams
 
     bad = tmp_path / "streams.json"
     bad.write_text("{}")
@@ -256,13 +256,13 @@ def test_replay_streams_that_are_not_an_archive_say_so(tmp_path):
 
 
 def test_demo_takes_a_drafter_directory():
-    from drafttree.cli import build_parser
+    from drafttree.apps.cli import build_parser
 
     assert build_parser().parse_args(["demo", "--drafter", "some/dir"]).drafter == "some/dir"
 
 
 def test_demo_repeats_must_be_positive(run_cli):
-    from drafttree.cli import build_parser
+    from drafttree.apps.cli import build_parser
 
     assert build_parser().parse_args(["demo"]).repeats == 3
     _assert_one_line_error(*run_cli("demo", "--repeats", "0"), "--repeats", ">= 1")

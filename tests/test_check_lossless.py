@@ -2,7 +2,7 @@
 changed one; the whole check reports zero mismatches for a lossless method."""
 import torch
 
-from drafttree.bench import lossless
+from drafttree.apps.bench import lossless
 from drafttree.engine import generate_ar
 from drafttree.load import load_target
 from drafttree.proposers import BestFirstPolicy, DFlashProposer

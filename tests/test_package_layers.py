@@ -3,7 +3,7 @@ benches, demo) built on it."""
 import subprocess
 import sys
 
-APPS = ("drafttree.training", "drafttree.cli", "drafttree.bench", "drafttree.serve", "drafttree.demo")
+APPS = ("drafttree.training", "drafttree.apps")
 CHECKED_ONLY = ("drafttree.conformance",)  # mypy's file that checks every layer's classes against the protocols
 
 # walks by hand: pkgutil.walk_packages would import the app packages it recurses into

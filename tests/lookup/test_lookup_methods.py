@@ -66,13 +66,13 @@ def test_merged_tree_with_follow_depth_equals_ar(tiny_checkpoint):
 
 
 def test_bench_lists_the_copy_set():
-    from drafttree.bench.methods import DEFAULT_DATASETS, parse_datasets
+    from drafttree.apps.bench.methods import DEFAULT_DATASETS, parse_datasets
 
     assert parse_datasets("copy,gsm8k") == ["copy", "gsm8k"] and "copy" not in DEFAULT_DATASETS
 
 
 def test_bench_runs_the_lookup_methods(tiny_checkpoint, tmp_path):
-    from drafttree.bench.methods import benchmark, parse_variants
+    from drafttree.apps.bench.methods import benchmark, parse_variants
 
     assert [v.name for v in parse_variants("lookup,lookup-ddtree,lookup-caddtree", "4,8")] == [
         "ar", "lookup", "lookup-ddtree-4", "lookup-ddtree-8", "lookup-caddtree"]

@@ -17,7 +17,7 @@ import torch
 from gguf_files import Q4_K_M, dequantized_reference, random_k_quant, write_tiny_gguf
 
 pytest.importorskip("gguf")
-from drafttree.cli import main  # noqa: E402
+from drafttree.apps.cli import main  # noqa: E402
 from drafttree.engine import generate_ar  # noqa: E402
 from drafttree.methods import generate  # noqa: E402
 

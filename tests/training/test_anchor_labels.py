@@ -240,7 +240,7 @@ def test_soft_target_training_lowers_the_loss(tmp_path):
 def test_train_data_dispatches_to_the_anchor_generator(tmp_path):
     from types import SimpleNamespace
 
-    from drafttree.cli import cmd_train
+    from drafttree.apps.cli import cmd_train
     from drafttree.validate import InputError
 
     def train_data(*rest):

@@ -73,7 +73,7 @@ def test_methods_are_registered(tiny_checkpoint, tmp_path):
 
 
 def test_bench_runs_the_weaver_methods(tiny_checkpoint):
-    from drafttree.bench.methods import benchmark, parse_variants
+    from drafttree.apps.bench.methods import benchmark, parse_variants
 
     path, _ = tiny_checkpoint
     target = load_target(str(path))
@@ -89,7 +89,7 @@ def test_bench_runs_the_weaver_methods(tiny_checkpoint):
 
 def test_replay_of_the_weaver_stream_matches_real_rounds(tiny_checkpoint):
     """`drafttree replay --weaver-stream`: fixed budgets on the recorded Weaver stream replay weaver-ddtree exactly."""
-    from drafttree.bench.replay import FixedBudget, record_draft_streams, replay
+    from drafttree.apps.bench.replay import FixedBudget, record_draft_streams, replay
 
     path, _ = tiny_checkpoint
     target = load_target(str(path))

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from drafttree.serve.app import create_app
+from drafttree.apps.serve.app import create_app
 from conftest import CharTokenizer, FakeDecoder, fake_target, live_server, request, wait_idle
 
 MAX_CONTEXT = 64

@@ -2,10 +2,10 @@
 measure plain autoregressive decoding of the same prompt in the same run for the speedup."""
 from __future__ import annotations
 
-from .compute import compute_of
-from .load import load_target
-from .methods import NO_DRAFTER, SHIPPED_DRAFTERS, generate, load_drafter_for, make_proposer
-from .validate import check_int
+from ..compute import compute_of
+from ..load import load_target
+from ..methods import NO_DRAFTER, SHIPPED_DRAFTERS, generate, load_drafter_for, make_proposer
+from ..validate import check_int
 
 DEMO_PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                "How many clips did Natalia sell altogether in April and May?")

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from drafttree.bench.methods import add_arguments, benchmark, markdown_report, mismatch_lines, parse_variants
+from drafttree.apps.bench.methods import add_arguments, benchmark, markdown_report, mismatch_lines, parse_variants
 from drafttree.load import load_target
 from drafttree.proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy
 from drafttree.sampling import SamplingParams
@@ -109,7 +109,7 @@ def test_bench_deep_acceptance_is_lossless(tiny):
 def test_peers_summary_reports_tau_beside_tokens_per_s():
     """bench-peers: τ = tokens the forwards after the prompt's emitted ÷ those forwards, for every system; None for
     rows without the counts (files written before they were recorded)."""
-    from drafttree.bench.peers import markdown, summarize
+    from drafttree.apps.bench.peers import markdown, summarize
 
     rows = [dict(dataset="gsm8k", prompt=0, system="llama.cpp-ar", tokens=10, seconds=1.0, verified=9, forwards=9),
             dict(dataset="gsm8k", prompt=0, system="drafttree-lookup", tokens=12, seconds=0.5, verified=11, forwards=4),
@@ -127,7 +127,7 @@ def test_peers_summary_reports_tau_beside_tokens_per_s():
 
 def test_llama_speculative_log_is_parsed():
     """The figures llama-speculative-simple prints at its end (a real log of the pinned llama.cpp, trimmed)."""
-    from drafttree.bench.llama_tools import parse_speculative_log
+    from drafttree.apps.bench.llama_tools import parse_speculative_log
 
     log = """0.00.977.658 I encoded   39 tokens in    0.149 seconds, speed:  261.638 t/s
 0.00.977.727 I decoded   65 tokens in    0.518 seconds, speed:  125.392 t/s

@@ -5,7 +5,7 @@
     GET  /v1/models             the one model served
     GET  /health                active and waiting requests, bytes of decode state held
 
-Every request is checked before it is queued (drafttree.serve.protocol); a refusal is OpenAI's error
+Every request is checked before it is queued (drafttree.apps.serve.protocol); a refusal is OpenAI's error
 body with status 400 (bad value), 401 (API key), 404 (model or route), 413 (body too large) or 429
 (queue full), never a traceback. Decoding runs on the scheduler's one worker thread; each request waits
 on its own asyncio queue, fed from that thread with `loop.call_soon_threadsafe`. A client that goes away
@@ -72,7 +72,7 @@ def create_app(target, decoder, *, model_id: str | None = None, methods=None, de
     """The app serving `target` through `decoder` (drafttree.methods.Decoder: `.sequence(method, ...)`).
     `worker_thread` False: the caller runs the rounds (`app.state.scheduler.run_here()`, as `drafttree serve` does)."""
     if methods is None:
-        from ..methods import METHODS as methods
+        from ...methods import METHODS as methods
     methods = tuple(methods)
     if default_method not in methods:
         raise ValueError(f"default method {default_method!r} is not one of {methods}")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from drafttree.methods import generate
-from drafttree.serve.app import create_app
+from drafttree.apps.serve.app import create_app
 from conftest import live_server, wait_idle
 
 pytestmark = pytest.mark.slow

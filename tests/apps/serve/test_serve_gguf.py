@@ -15,7 +15,7 @@ from conftest import free_port, request, wait_until_healthy
 def test_serve_a_gguf_file(tmp_path, arch):
     model = str(write_tiny_gguf(tmp_path / f"tiny-{arch}-q4_k.gguf", arch, "Q4_K"))
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "drafttree.cli", "serve", "--model", model, "--method", "lookup",
+    proc = subprocess.Popen([sys.executable, "-m", "drafttree.apps.cli", "serve", "--model", model, "--method", "lookup",
                              "--port", str(port), "--threads", "1"], stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "DRAFTTREE_API_KEY": ""})
     base = f"http://127.0.0.1:{port}"

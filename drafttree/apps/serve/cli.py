@@ -6,15 +6,15 @@ import os
 import sys
 import threading
 
-from ..compute import add_compute_argument, compute_of
-from ..validate import InputError, check_int, check_positive_int
+from ...compute import add_compute_argument, compute_of
+from ...validate import InputError, check_int, check_positive_int
 from . import DEFAULT_MAX_TOKENS, MAX_BODY_BYTES
 
 API_KEY_ENV = "DRAFTTREE_API_KEY"
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from ..methods import METHODS
+    from ...methods import METHODS
 
     s = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions, "
                               "streaming, many clients at once)")
@@ -28,7 +28,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="decoding method of requests that do not name one in the body field `method`")
     s.add_argument("--drafter", default=None, help="drafter directory (default: the one shipped for the model)")
     s.add_argument("--budget", type=int, default=16, help="draft-tree nodes for method ddtree")
-    from ..methods import add_weaver_args
+    from ...methods import add_weaver_args
 
     add_weaver_args(s)
     s.add_argument("--api-key", default=None,
@@ -57,7 +57,7 @@ def available_methods(decoder, default: str) -> tuple[str, ...]:
     methods share one cost model, profiled once per machine), so no request pays for it. Without a drafter
     for the model only the methods that need none are served ("ar", "lookup"), unless the default method
     needs one: then that is the error."""
-    from ..methods import METHODS
+    from ...methods import METHODS
 
     methods, missing = ["ar"], None
     for m in METHODS[1:]:
@@ -76,7 +76,7 @@ def available_methods(decoder, default: str) -> tuple[str, ...]:
 
 def warm_up(decoder, target, method: str) -> None:
     """One short decode: first calls pay one-off costs (allocations, kernel dispatch)."""
-    from ..sampling import SamplingParams
+    from ...sampling import SamplingParams
 
     seq = decoder.sequence(method, target.encode_chat("Hi"), max_new_tokens=4, sampling=SamplingParams())
     try:
@@ -89,8 +89,8 @@ def warm_up(decoder, target, method: str) -> None:
 def cmd_serve(a) -> int:
     import uvicorn
 
-    from ..load import load_target
-    from ..methods import Decoder
+    from ...load import load_target
+    from ...methods import Decoder
     from .app import create_app
 
     check_serve_args(a)

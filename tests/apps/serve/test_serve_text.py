@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from drafttree.serve.text import OutputText
+from drafttree.apps.serve.text import OutputText
 from conftest import CharTokenizer
 
 TOK = CharTokenizer()

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from drafttree.serve.app import create_app
+from drafttree.apps.serve.app import create_app
 from conftest import CharTokenizer, FakeDecoder, fake_target, live_server
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from drafttree.cli import main
+from drafttree.apps.cli import main
 from conftest import free_port, request, wait_until_healthy
 
 BAD = [
@@ -45,7 +45,7 @@ def test_unknown_method_is_an_argparse_error(capsys):
 def test_the_command_serves_and_stops():
     port = free_port()
     env = {**os.environ, "DRAFTTREE_API_KEY": "sesame"}
-    proc = subprocess.Popen([sys.executable, "-m", "drafttree.cli", "serve", "--port", str(port), "--method", "chain",
+    proc = subprocess.Popen([sys.executable, "-m", "drafttree.apps.cli", "serve", "--port", str(port), "--method", "chain",
                              "--max-concurrency", "2"], env=env, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:

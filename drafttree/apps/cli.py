@@ -5,8 +5,8 @@ import argparse
 import sys
 import time
 
-from .compute import add_compute_argument, compute_of
-from .methods import METHODS, add_drafter_args, add_weaver_args
+from ..compute import add_compute_argument, compute_of
+from ..methods import METHODS, add_drafter_args, add_weaver_args
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -24,9 +24,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(a) -> int:
-    from .load import load_target
-    from .methods import generate_with, proposer_with
-    from .streaming import TextStream
+    from ..load import load_target
+    from ..methods import generate_with, proposer_with
+    from ..streaming import TextStream
 
     t0 = time.perf_counter()
     target = load_target(a.model, compute=compute_of(a), threads=a.threads)
@@ -51,8 +51,8 @@ def cmd_info(a) -> int:
 
     import torch
 
-    from .compute import choose_compute, cpu_info
-    from .ops.cpu_extension import build_dir, kernel_error
+    from ..compute import choose_compute, cpu_info
+    from ..ops.cpu_extension import build_dir, kernel_error
 
     cpu, err = cpu_info(), kernel_error()
     choice = choose_compute(compute_of(a))
@@ -80,9 +80,9 @@ def cmd_bench_runtime(a) -> int:
 def cmd_profile(a) -> int:
     from pathlib import Path
 
-    from .load import load_target
-    from .methods import cost_model_path, load_drafter_for
-    from .profile import profile_costs
+    from ..load import load_target
+    from ..methods import cost_model_path, load_drafter_for
+    from ..profile import profile_costs
 
     target = load_target(a.model, compute=compute_of(a), threads=a.threads)
     drafter = load_drafter_for(target, a.drafter)
@@ -127,18 +127,18 @@ def cmd_check_lossless(a) -> int:
 
 def cmd_train(a) -> int:
     if a.what == "drafter":
-        from .training.train import main as train_main
+        from ..training.train import main as train_main
 
         return train_main(a.rest) or 0
     if a.what == "weaver":
-        from .training.weaver_train import main as weaver_main
+        from ..training.weaver_train import main as weaver_main
 
         return weaver_main(a.rest)
     if _option(a.rest, "--engine") == "anchors":  # labels from existing text: its own options (`--engine anchors --help`)
-        from .training.anchor_labels import main as anchors_main
+        from ..training.anchor_labels import main as anchors_main
 
         return anchors_main(a.rest)
-    from .training.datagen import main as datagen_main
+    from ..training.datagen import main as datagen_main
 
     return datagen_main(a.rest)
 
@@ -256,7 +256,7 @@ def check_args(a) -> None:
     """Every check that needs no model, for whichever of these options the command has: run before
     anything is loaded, so a bad value costs a second, not a model load. (Method and prompt-set names are
     checked by the commands themselves, also before loading.)"""
-    from .validate import check_int, check_model_dir, check_positive_int, check_sampling, check_text, check_threads
+    from ..validate import check_int, check_model_dir, check_positive_int, check_sampling, check_text, check_threads
 
     for name in ("prompt", "system"):
         if getattr(a, name, None) is not None:
@@ -274,18 +274,18 @@ def check_args(a) -> None:
     if getattr(a, "drafter", None):
         from pathlib import Path
 
-        from .drafter.checkpoint import load_drafter_config
-        from .validate import check_safetensors
+        from ..drafter.checkpoint import load_drafter_config
+        from ..validate import check_safetensors
 
         load_drafter_config(a.drafter)
         for f in sorted(Path(a.drafter).glob("*.safetensors")):
             check_safetensors(f, "the drafter's weights", "copy the drafter again or retrain it (`drafttree train drafter`)")
     if getattr(a, "weaver", None):
-        from .weaver.checkpoint import load_weaver_config
+        from ..weaver.checkpoint import load_weaver_config
 
         load_weaver_config(a.weaver)
     if getattr(a, "cost_model", None):
-        from .costmodel import VerifyCostModel
+        from ..costmodel import VerifyCostModel
 
         VerifyCostModel.load(a.cost_model)  # a FileNotFoundError names the path
     _check_output_paths(a)
@@ -295,8 +295,8 @@ def _check_output_paths(a) -> None:
     """Everything the command will write can be written: --out, the model cache when the embedded model is
     still to be converted, and the cost-model cache when a cost-aware method will profile this machine.
     Checked now, not after minutes of profiling whose measurements would then be lost."""
-    from .methods import COST_AWARE
-    from .validate import CACHE_HINT, check_model_cache, check_writable
+    from ..methods import COST_AWARE
+    from ..validate import CACHE_HINT, check_model_cache, check_writable
 
     out = getattr(a, "out", None)
     if out is not None:
@@ -321,15 +321,15 @@ def _check_kernel_cache(a) -> None:
     """The C++ kernels (int8, q4) are compiled into the cache on first use: with an unwritable cache an
     explicit --compute int8/q4 fails now, in one line (not as a traceback after the model load), and
     --compute auto says that it will fall back to a float path."""
-    from .compute import LEGACY_DTYPES
-    from .validate import CACHE_HINT, InputError, check_writable, warn
+    from ..compute import LEGACY_DTYPES
+    from ..validate import CACHE_HINT, InputError, check_writable, warn
 
     if not hasattr(a, "compute"):
         return
     requested = LEGACY_DTYPES.get(compute_of(a), compute_of(a))
     if requested not in ("auto", "int8", "q4"):
         return
-    from .ops.cpu_extension import build_dir
+    from ..ops.cpu_extension import build_dir
 
     out = build_dir()
     if any(out.glob("*.so")):
@@ -352,8 +352,8 @@ def _cached_cost_model_paths(a) -> list:
 
     import torch
 
-    from .compute import LEGACY_DTYPES, cpu_info
-    from .methods import cost_model_path
+    from ..compute import LEGACY_DTYPES, cpu_info
+    from ..methods import cost_model_path
 
     threads = getattr(a, "threads", None) or int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1
     before = torch.get_num_threads()

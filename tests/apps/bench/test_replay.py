@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from drafttree.bench.replay import CostAware, DraftStreams, FixedBudget, record_draft_streams, replay, summarize
+from drafttree.apps.bench.replay import CostAware, DraftStreams, FixedBudget, record_draft_streams, replay, summarize
 from drafttree.engine import generate_speculative
 from drafttree.load import load_target
 from drafttree.proposers import BestFirstPolicy, ChainPolicy, CostAwarePolicy, DFlashProposer
@@ -75,7 +75,7 @@ def test_streams_round_trip_and_acceptance_scale(tiny_checkpoint, tmp_path):
 
 
 def test_replay_cli_rejects_bad_budgets():
-    from drafttree.cli import main
+    from drafttree.apps.cli import main
 
     assert main(["replay", "--budgets", "0,8"]) == 2
     assert main(["replay", "--datasets", "nope"]) == 2

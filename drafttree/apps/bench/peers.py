@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..atomic import atomic_path, atomic_write_text
-from ..compute import add_compute_argument, compute_of, cpu_info
+from ...atomic import atomic_path, atomic_write_text
+from ...compute import add_compute_argument, compute_of, cpu_info
 
 DEFAULT_OUT = "docs/bench-peers"
 
@@ -124,7 +124,7 @@ class Drafttree:
         self.name = f"drafttree-{method}"
 
     def run(self, ids: list[int], max_new: int, stop: int) -> tuple[int, float, tuple[int, int]]:
-        from ..methods import generate
+        from ...methods import generate
 
         res = generate(self.method, self.target, torch.tensor(ids), max_new, proposer=self.proposer, stop_token_ids=(stop,))
         return res.stats.new_tokens, res.stats.total_s, (sum(res.stats.accept_lengths), len(res.stats.accept_lengths))
@@ -151,8 +151,8 @@ def add_arguments(p) -> None:
 
 
 def _systems(args, target):
-    from ..gguf_convert import EMBEDDED, convert_embedded, find_embedded_gguf
-    from ..methods import make_proposer
+    from ...gguf_convert import EMBEDDED, convert_embedded, find_embedded_gguf
+    from ...methods import make_proposer
 
     if args.model not in EMBEDDED:
         raise ValueError(f"bench-peers needs an embedded model with a GGUF ({', '.join(EMBEDDED)}), got {args.model!r}")
@@ -169,7 +169,7 @@ def _systems(args, target):
         binary = build_tool()
         variants = dict(NGRAM_MOD) if args.ngram_mod else {}
         if args.dflash:
-            from ..methods import SHIPPED_DRAFTERS
+            from ...methods import SHIPPED_DRAFTERS
             from .llama_dflash import drafter_gguf
 
             drafter = drafter_gguf(SHIPPED_DRAFTERS[args.model], convert_embedded(args.model), outtype="q8_0")
@@ -185,8 +185,8 @@ def _systems(args, target):
 
 def run(args) -> int:
     from ..bench.methods import parse_datasets
-    from ..datasets import load_prompts
-    from ..load import load_target
+    from ...datasets import load_prompts
+    from ...load import load_target
 
     datasets = parse_datasets(args.datasets)
     target = load_target(args.model, compute=compute_of(args), threads=args.threads)

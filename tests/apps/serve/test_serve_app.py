@@ -13,7 +13,7 @@ import pytest
 
 from drafttree.methods import METHODS, generate
 from drafttree.sampling import SamplingParams
-from drafttree.serve.app import create_app
+from drafttree.apps.serve.app import create_app
 from conftest import live_server, request, wait_idle
 
 MODEL = "tiny"

@@ -12,7 +12,7 @@ from drafttree.proposers import BestFirstPolicy, ChainPolicy, DFlashProposer
 from spec_helpers import random_drafter_for
 from spec_helpers import prompts
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 from drafter_tau import accepted_per_position, round_lengths  # noqa: E402
 
 MAX_NEW = 30

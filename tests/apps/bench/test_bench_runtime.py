@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from drafttree.bench import runtime
+from drafttree.apps.bench import runtime
 from drafttree.load import load_target
 from tiny_models import make_tiny_checkpoint
 
@@ -64,7 +64,7 @@ def test_ar_comparison_tiny(tmp_path):
 
 
 def test_cli_parses_bench_runtime_options():
-    from drafttree.cli import build_parser
+    from drafttree.apps.cli import build_parser
 
     a = build_parser().parse_args(["bench-runtime", "--quick", "--contexts", "64", "--skip-ar"])
     assert a.quick and a.skip_ar and a.contexts == "64" and a.prompts == 5 and a.threads == 2

@@ -25,14 +25,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..atomic import atomic_path, atomic_write_text
-from ..compute import add_compute_argument, compute_of
-from ..costmodel import VerifyCostModel
-from ..policies import caddtree_select
-from ..engine import generate_ar
-from ..marginals import log_marginals
-from ..recalibrate import RoundCalibrator
-from ..tree import TreeNode, best_first_nodes
+from ...atomic import atomic_path, atomic_write_text
+from ...compute import add_compute_argument, compute_of
+from ...costmodel import VerifyCostModel
+from ...policies import caddtree_select
+from ...engine import generate_ar
+from ...marginals import log_marginals
+from ...recalibrate import RoundCalibrator
+from ...tree import TreeNode, best_first_nodes
 
 
 @dataclass
@@ -196,7 +196,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weaver-stream", action="store_true", help="record Weaver's stream (drafttree.weaver) instead of the "
                    "marginals' heap: the fixed budgets are then weaver-ddtree and caddtree is weaver-caddtree without "
                    "the Weaver's own call cost")
-    from ..methods import add_weaver_args
+    from ...methods import add_weaver_args
 
     add_weaver_args(p)
 
@@ -242,7 +242,7 @@ def plot(results: dict, path: Path) -> None:
 
 def record_all(target, proposer, datasets, args) -> dict[str, list[DraftStreams]]:
     """Record every prompt of every set; saved to --out/streams.npz for later `--streams` replays."""
-    from ..datasets import load_prompts
+    from ...datasets import load_prompts
 
     streams = {ds: [record_draft_streams(target, proposer, target.encode_chat(p), args.max_new_tokens, args.max_tree_nodes)
                     for p in tqdm(load_prompts(ds, args.limit), desc=f"record {ds}")] for ds in datasets}
@@ -276,9 +276,9 @@ def load_streams(path, datasets) -> dict[str, list[DraftStreams]]:
 
 
 def run(args) -> int:
-    from ..load import load_target
-    from ..methods import cost_model_path, load_drafter_for
-    from ..proposers import ChainPolicy, DFlashProposer
+    from ...load import load_target
+    from ...methods import cost_model_path, load_drafter_for
+    from ...proposers import ChainPolicy, DFlashProposer
     from .methods import parse_datasets, parse_variants
 
     budgets = [v.budget for v in parse_variants(["ddtree"], args.budgets) if v.method == "ddtree"]
@@ -292,9 +292,9 @@ def run(args) -> int:
     cost_model = VerifyCostModel.load(cost_src)
     proposer = None if args.streams else DFlashProposer(load_drafter_for(target, args.drafter), target.model, ChainPolicy())
     if proposer is not None and getattr(args, "weaver_stream", False):
-        from ..methods import load_weaver_for
-        from ..proposers import BestFirstPolicy
-        from ..weaver import WeaverProposer
+        from ...methods import load_weaver_for
+        from ...proposers import BestFirstPolicy
+        from ...weaver import WeaverProposer
 
         weaver = load_weaver_for(target, proposer.drafter, getattr(args, "weaver", None))
         proposer = WeaverProposer(proposer.drafter, target.model, weaver, BestFirstPolicy(args.max_tree_nodes),

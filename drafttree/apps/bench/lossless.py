@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..atomic import atomic_write_text
-from ..compute import add_compute_argument, compute_of
-from ..datasets import load_prompts
-from ..engine import generate_ar
-from ..methods import COST_AWARE, METHODS, NO_DRAFTER, generate, make_proposer
-from ..validate import InputError, check_positive_int
+from ...atomic import atomic_write_text
+from ...compute import add_compute_argument, compute_of
+from ...datasets import load_prompts
+from ...engine import generate_ar
+from ...methods import COST_AWARE, METHODS, NO_DRAFTER, generate, make_proposer
+from ...validate import InputError, check_positive_int
 from .methods import BUDGETED, parse_datasets
 
 NEAR_TIE = 1e-4  # logit units: fp32 rounding differences between one-token and batched forwards are ~1e-5
@@ -72,7 +72,7 @@ def check(target, methods, prompts_by_set: dict, max_new_tokens: int = 256, draf
     `budget`: the node budget of ddtree and lookup-ddtree (their rows are named ddtree-<budget>, ...)."""
     stops = set(target.stop_token_ids)
     if any(m.startswith("weaver-") for m in methods) and (weaver is None or isinstance(weaver, (str, Path))):
-        from ..methods import load_weaver_for
+        from ...methods import load_weaver_for
 
         weaver = load_weaver_for(target, drafter, weaver)  # once for both weaver-* methods
     proposers = {m: make_proposer(m, target, drafter=drafter, budget=budget, cost_model=cost_model,
@@ -144,15 +144,15 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--drafter", default=None)
-    from ..methods import add_weaver_args
+    from ...methods import add_weaver_args
 
     add_weaver_args(p)
     p.add_argument("--out", default="runs/lossless")
 
 
 def run(a) -> int:
-    from ..load import load_target
-    from ..methods import load_drafter_for, load_or_profile_cost_model
+    from ...load import load_target
+    from ...methods import load_drafter_for, load_or_profile_cost_model
 
     # everything that needs no model is checked first: a typo must not cost a model load
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ..streaming import TextStream
+from ...streaming import TextStream
 
 
 class OutputText:

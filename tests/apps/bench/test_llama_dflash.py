@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
-from drafttree.bench.llama_dflash import MASK_TOKEN, hf_layout
+from drafttree.apps.bench.llama_dflash import MASK_TOKEN, hf_layout
 from drafttree.gguf_convert import convert_embedded
 from drafttree.methods import SHIPPED_DRAFTERS
 

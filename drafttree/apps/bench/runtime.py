@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..atomic import atomic_path, atomic_write_text
+from ...atomic import atomic_path, atomic_write_text
 
 PROMPT_SETS = ("gsm8k", "humaneval", "mtbench")
 DTYPE_NAMES = ("float32", "bfloat16")
@@ -39,7 +39,7 @@ CONTEXTS = (256, 1024)
 # ---------------------------------------------------------------------------------------------- prompts
 def pick_prompts(n: int) -> list[tuple[str, str]]:
     """(set name, user message) for n prompts, taking the sets in turn (first items of each)."""
-    from ..datasets import load_prompts
+    from ...datasets import load_prompts
 
     per_set = {name: load_prompts(name, limit=(n + len(PROMPT_SETS) - 1) // len(PROMPT_SETS)) for name in PROMPT_SETS}
     return [(PROMPT_SETS[k % 3], per_set[PROMPT_SETS[k % 3]][k // 3]) for k in range(n)]
@@ -50,13 +50,13 @@ def load_hf(path, dtype: str, attn: str = "eager"):
     """transformers' own model on a checkpoint directory (the converted weights drafttree loads too)."""
     from transformers import AutoModelForCausalLM
 
-    from ..load import resolve_dtype
+    from ...load import resolve_dtype
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype), attn_implementation=attn).eval()
 
 
 def run_drafttree_ar(target, ids: torch.Tensor, max_new: int) -> tuple[list[int], float]:
-    from ..engine import generate_ar
+    from ...engine import generate_ar
 
     t0 = time.perf_counter()
     res = generate_ar(target, ids, max_new, stop_token_ids=())
@@ -322,7 +322,7 @@ def _cpu_name() -> str:
 
 
 def _ints(s, option: str = "", minimum: int = 0) -> tuple[int, ...]:
-    from ..validate import InputError
+    from ...validate import InputError
 
     try:
         values = tuple(int(x) for x in str(s).split(",") if x.strip())
@@ -339,7 +339,7 @@ CURVE_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "bfloat16": "bfloat16", "
 def check_arguments(args) -> tuple[tuple[int, ...], tuple[int, ...], list[str]]:
     """(contexts, sizes, curve dtypes) of the forward-cost curve, checked before any model is converted or
     loaded: a size of 0 or an unknown dtype would otherwise fail after the AR comparison's minutes."""
-    from ..validate import InputError
+    from ...validate import InputError
 
     def given(name, default):  # None: not given, the default; an empty string was given and is refused below
         value = getattr(args, name, None)
@@ -364,8 +364,8 @@ def run(args) -> int:
     contexts, sizes, curve_dtypes = check_arguments(args)
     import transformers
 
-    from ..gguf_convert import EMBEDDED, convert_embedded
-    from ..load import load_target
+    from ...gguf_convert import EMBEDDED, convert_embedded
+    from ...load import load_target
 
     model_name = getattr(args, "model", None) or "smollm2-135m-instruct"
     quick = getattr(args, "quick", False)

@@ -25,8 +25,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..engine import Sequence, step_many
-from ..sampling import SamplingParams
+from ...engine import Sequence, step_many
+from ...sampling import SamplingParams
 from .text import OutputText
 
 

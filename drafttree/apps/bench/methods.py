@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_path, atomic_write_text
-from ..compute import add_compute_argument, compute_of
-from ..methods import COST_AWARE, METHODS, NO_DRAFTER, generate, make_proposer
-from ..sampling import SamplingParams
-from ..validate import InputError, check_positive_int
+from ...atomic import atomic_path, atomic_write_text
+from ...compute import add_compute_argument, compute_of
+from ...methods import COST_AWARE, METHODS, NO_DRAFTER, generate, make_proposer
+from ...sampling import SamplingParams
+from ...validate import InputError, check_positive_int
 
 DATASETS = ("humaneval", "gsm8k", "mtbench", "copy")  # every prompt set a run may name (datasets.PROMPT_SETS)
 DEFAULT_DATASETS = ("humaneval", "gsm8k", "mtbench")  # what a run without --datasets measures
@@ -141,7 +141,7 @@ def benchmark(target, prompts_by_dataset: dict, methods=METHODS, *, drafter=None
     given = dict(proposers or {})
     if weaver is None or isinstance(weaver, (str, Path)):
         if any(v.method.startswith("weaver-") and v.name not in given for v in variants):
-            from ..methods import load_drafter_for, load_weaver_for
+            from ...methods import load_drafter_for, load_weaver_for
 
             drafter = drafter if drafter is not None else load_drafter_for(target)
             weaver = load_weaver_for(target, drafter, weaver)  # loaded once for every weaver-* variant
@@ -466,7 +466,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tree-nodes", type=int, default=128, help="caddtree's tree-size cap")
     p.add_argument("--cost-model", default=None,
                    help="caddtree's cost model JSON (default: this machine's cached one, profiled on first use)")
-    from ..methods import add_drafter_args, add_weaver_args
+    from ...methods import add_drafter_args, add_weaver_args
 
     add_drafter_args(p)
     add_weaver_args(p)
@@ -494,9 +494,9 @@ def _git_commit() -> str | None:
 
 def run(args) -> int:
     """Returns 0, or 1 when a greedy run found a method whose tokens differ from AR's."""
-    from ..datasets import load_prompts
-    from ..load import load_target
-    from ..methods import load_drafter_for, load_or_profile_cost_model
+    from ...datasets import load_prompts
+    from ...load import load_target
+    from ...methods import load_drafter_for, load_or_profile_cost_model
 
     datasets = parse_datasets(args.datasets)  # validate everything before loading anything
     if not datasets:
@@ -515,12 +515,12 @@ def run(args) -> int:
     drafter = load_drafter_for(target, args.drafter, args.draft_vocab) if speculative else None
     cost_model, cost_model_src = None, None
     if any(v.method in COST_AWARE for v in variants):
-        from ..costmodel import VerifyCostModel
+        from ...costmodel import VerifyCostModel
 
         if args.cost_model:
             cost_model, cost_model_src = VerifyCostModel.load(args.cost_model), str(args.cost_model)
         else:
-            from ..methods import cost_model_path
+            from ...methods import cost_model_path
 
             cost_model = load_or_profile_cost_model(target, drafter)
             cost_model_src = str(cost_model_path(target))

@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..gguf_convert import cache_root
+from ...gguf_convert import cache_root
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the pinned peer (pyproject's `peers` extra)
 TOOL = "llama-speculative-simple"

@@ -6,8 +6,8 @@ import time
 import torch
 
 from drafttree.sampling import SamplingParams
-from drafttree.serve.scheduler import Job, QueueFull, Scheduler
-from drafttree.serve.text import OutputText
+from drafttree.apps.serve.scheduler import Job, QueueFull, Scheduler
+from drafttree.apps.serve.text import OutputText
 from conftest import CharTokenizer, FakeDecoder
 
 import pytest

@@ -20,8 +20,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
-from ..sampling import SamplingParams
-from ..validate import InputError, check_int, check_sampling, check_token_ids
+from ...sampling import SamplingParams
+from ...validate import InputError, check_int, check_sampling, check_token_ids
 
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_CHARS = 1000
