@@ -176,14 +176,23 @@ __attribute__((target("avx2,fma"))) void head_avx2(const float* S0, const float*
     u[c] = beta * (v[c] - eg * kS[c]);
     o[c] = eg * qS[c] + qk * u[c];
   }
+  // S₁ is not read again before the next token (the weights of a whole forward stream past in between): streaming
+  // stores skip reading its lines into the cache first, a third of this head's memory traffic
+  const bool stream = dv % 8 == 0 && reinterpret_cast<uintptr_t>(S1) % 32 == 0;
   for (int64_t a = 0; a < dk; ++a) {
     const __m256 ka = _mm256_set1_ps(k[a]);
     const float* Sa = S0 + a * dv;
     float* Ta = S1 + a * dv;
+    if (stream) {
+      for (c = 0; c < dv; c += 8)
+        _mm256_stream_ps(Ta + c, _mm256_fmadd_ps(ka, _mm256_loadu_ps(u + c), _mm256_mul_ps(veg, _mm256_loadu_ps(Sa + c))));
+      continue;
+    }
     for (c = 0; c + 8 <= dv; c += 8)
       _mm256_storeu_ps(Ta + c, _mm256_fmadd_ps(ka, _mm256_loadu_ps(u + c), _mm256_mul_ps(veg, _mm256_loadu_ps(Sa + c))));
     for (; c < dv; ++c) Ta[c] = eg * Sa[c] + k[a] * u[c];
   }
+  if (stream) _mm_sfence();
 }
 
 __attribute__((target("avx512f"))) void head_avx512(const float* S0, const float* q, const float* k, const float* v,
@@ -228,16 +237,23 @@ __attribute__((target("avx512f"))) void head_avx512(const float* S0, const float
     _mm512_mask_storeu_ps(u + c, mk, uc);
     _mm512_mask_storeu_ps(o + c, mk, _mm512_fmadd_ps(vqk, uc, _mm512_mul_ps(veg, _mm512_maskz_loadu_ps(mk, qS + c))));
   }
+  const bool stream = dv % 16 == 0 && reinterpret_cast<uintptr_t>(S1) % 64 == 0;  // as in head_avx2
   for (int64_t a = 0; a < dk; ++a) {
     const __m512 ka = _mm512_set1_ps(k[a]);
     const float* Sa = S0 + a * dv;
     float* Ta = S1 + a * dv;
+    if (stream) {
+      for (int64_t c = 0; c < dv; c += 16)
+        _mm512_stream_ps(Ta + c, _mm512_fmadd_ps(ka, _mm512_loadu_ps(u + c), _mm512_mul_ps(veg, _mm512_loadu_ps(Sa + c))));
+      continue;
+    }
     for (int64_t c = 0; c < dv; c += 16) {
       const __mmask16 mk = dv - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (dv - c)) - 1);
       _mm512_mask_storeu_ps(Ta + c, mk, _mm512_fmadd_ps(ka, _mm512_maskz_loadu_ps(mk, u + c),
                                                         _mm512_mul_ps(veg, _mm512_maskz_loadu_ps(mk, Sa + c))));
     }
   }
+  if (stream) _mm_sfence();
 }
 
 // ---- y = w ⊙ (o · rsqrt(mean o² + eps)) ⊙ silu(z) over one value head ----
