@@ -129,7 +129,11 @@ class GatedDeltaNet(FusedKernel, nn.Module):
 
     def _conv_weight_t(self) -> torch.Tensor:
         w = self.conv_weight
-        key = (w.data_ptr(), w._version)
+        try:
+            version = w._version
+        except RuntimeError:  # an inference tensor keeps no version counter (and cannot change outside inference mode)
+            version = -1
+        key = (w.data_ptr(), version)
         if self._conv_wt is None or self._conv_wt[0] != key:
             self._conv_wt = (key, w.detach().t().contiguous())
         return self._conv_wt[1]

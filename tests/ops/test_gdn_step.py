@@ -148,6 +148,24 @@ def test_a_step_commits_only_its_own_row():
         gdn.commit(st, torch.tensor([1]))
 
 
+def test_the_transposed_conv_weight_follows_the_weight():
+    """The step's [K, C] copy of the conv weight is rebuilt when the weight changes in place; a layer built in
+    inference mode (its weights inference tensors, with no version counter) works too."""
+    gen = torch.Generator().manual_seed(4)
+    gdn = random_layer(layer_config(2, 2, 16, 16), gen)
+    first = gdn._conv_weight_t()
+    assert torch.equal(first, gdn.conv_weight.detach().t()) and gdn._conv_weight_t() is first
+    with torch.no_grad():
+        gdn.conv_weight.mul_(2)
+    assert torch.equal(gdn._conv_weight_t(), gdn.conv_weight.detach().t())
+    with torch.inference_mode():
+        layer = random_layer(layer_config(2, 2, 16, 16), gen)
+        layer.kernel_isa = "scalar"
+        st = layer.new_state()
+        layer(torch.randn(1, 32, generator=gen), None, st)
+    assert torch.equal(layer._conv_weight_t(), layer.conv_weight.t())
+
+
 def test_without_kernel_isa_the_layer_keeps_the_composed_path():
     gdn = random_layer(layer_config(2, 2, 16, 16), torch.Generator().manual_seed(0))
     st = gdn.new_state()
