@@ -1,8 +1,9 @@
 """A random-weight hybrid at Qwen3.5-0.8B's published shape on the q4 path (issue 38 item 3): AR tok/s against a
 dense random model of the same parameter count on the same path, and the verify cost of 1-64 tokens as a chain
 and as a tree, with the share of it spent in the GDN layers and the fused GDN kernel against the composed op.
+The hybrid's AR step is timed with the one-token GDN step kernel (ops/gdn/step.py) on and off, alternating.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/hybrid_scale.py [--layers 24] [--out docs/gdn/hybrid_scale.json]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/hybrid_scale.py [--layers 24] [--ar-only] [--out docs/gdn/hybrid_scale.json]
 
 Weights are random (no GDN checkpoint installs offline); the timings depend on the shapes, not the values.
 The shape (Qwen3.5-0.8B's text config): hidden 1024, 24 layers as 6 x (3 Gated DeltaNet + 1 gated attention),
@@ -30,7 +31,7 @@ from drafttree.model.hybrid import HybridModel
 from drafttree.model.hybrid_config import HybridConfig
 from drafttree.model.linear import quantize_linears, quantize_target
 from drafttree.model.transformer import Transformer
-from drafttree.ops.gdn import fused
+from drafttree.ops.gdn import fused, step
 from drafttree.tree import random_tree
 
 VOCAB, HIDDEN, MLP = 248_320, 1024, 3584
@@ -151,7 +152,7 @@ def verify_costs(model, shape: str, prompt_len: int, repeats: int, gen: torch.Ge
 
         row = dict(n=n, shape=shape, head_rows=int(batch.logits_rows.numel()),
                    max_depth=int(tree.ancestor_mask.sum(1).max()) - 1)
-        fused.USE_FUSED = True
+        fused.USE_FUSED = step.USE_STEP = True
         row["verify_ms"] = median_ms(run, repeats)
         if timer is not None:
             timer.reset()
@@ -160,11 +161,25 @@ def verify_costs(model, shape: str, prompt_len: int, repeats: int, gen: torch.Ge
             total = (time.perf_counter() - t0) * 1e3
             row["gdn_mixer_share"] = timer.mixer / total  # the GDN layers' token mixers, projections included
             row["gdn_core_share"] = (timer.mixer - timer.proj) / total  # conv, gates, tree solve, norm: no matmuls
-            fused.USE_FUSED = False
+            fused.USE_FUSED = step.USE_STEP = False  # composed: no fused tree verify, no one-token step kernel
             row["verify_composed_gdn_ms"] = median_ms(run, repeats)
-            fused.USE_FUSED = True
+            fused.USE_FUSED = step.USE_STEP = True
         rows.append(row)
     return rows
+
+
+def ar_rounds(hybrid, dense, prompt_len: int, steps: int, repeats: int, rounds: int, gen: torch.Generator):
+    """AR ms a token of the hybrid with the GDN step kernel on, off, and of the dense model, one after the other in
+    each of `rounds` rounds (each its own prefilled state): a load that comes and goes hits all three alike.
+    Returns {name: [ms a token, one a round]}."""
+    runs = {"hybrid_step_on": [], "hybrid_step_off": [], "dense": []}
+    for _ in range(rounds):
+        for name, model, use in (("hybrid_step_on", hybrid, True), ("hybrid_step_off", hybrid, False),
+                                 ("dense", dense, True)):
+            step.USE_STEP = use
+            runs[name].append(ar_step_ms(model, prompt_len, steps, repeats, gen))
+    step.USE_STEP = True
+    return runs
 
 
 def main() -> None:
@@ -173,6 +188,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128, help="committed tokens before timing")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--ar-steps", type=int, default=8)
+    ap.add_argument("--ar-rounds", type=int, default=5,
+                    help="rounds of AR timings: the hybrid with the GDN step kernel on, off, the dense model")
+    ap.add_argument("--ar-only", action="store_true", help="AR tok/s only (no verify-cost tables)")
     ap.add_argument("--out", default="docs/gdn/hybrid_scale.json")
     args = ap.parse_args()
     choice = choose_compute("q4")
@@ -190,33 +208,50 @@ def main() -> None:
     dense_layers = max(1, round(h_params / per_dense_layer))
     print(f"hybrid: {args.layers} layers, {h_params / 1e6:.1f}M layer weights + {VOCAB * HIDDEN / 1e6:.1f}M tied embedding",
           flush=True)
-    timer = GDNTimer(hybrid)
-    verify = [r for shape in ("chain", "tree") for r in verify_costs(hybrid, shape, args.prompt, args.repeats, gen, timer)]
-    hybrid_ar = ar_step_ms(hybrid, args.prompt, args.ar_steps, args.repeats, gen)
-    del hybrid, timer
+    info["gdn_step_isa"] = hybrid.gdn_layers()[0].kernel_isa if step.step_available() else None
+    verify = []
+    if not args.ar_only:
+        timer = GDNTimer(hybrid)
+        verify = [r for shape in ("chain", "tree") for r in verify_costs(hybrid, shape, args.prompt, args.repeats, gen, timer)]
+        del timer
 
     dense, d_params = build_quantized(Transformer, dense_config(dense_layers), choice.isa, gen)
     print(f"dense: {dense_layers} layers, {d_params / 1e6:.1f}M layer weights", flush=True)
-    dense_ar = ar_step_ms(dense, args.prompt, args.ar_steps, args.repeats, gen)
-    dense_verify = verify_costs(dense, "tree", args.prompt, args.repeats, gen, None)
-    del dense
+    dense_verify = [] if args.ar_only else verify_costs(dense, "tree", args.prompt, args.repeats, gen, None)
+    runs = ar_rounds(hybrid, dense, args.prompt, args.ar_steps, args.repeats, args.ar_rounds, gen)
+    del hybrid, dense
+    hybrid_ar, hybrid_ar_off, dense_ar = (statistics.median(runs[k]) for k in ("hybrid_step_on", "hybrid_step_off", "dense"))
+    # each round's own ratio (its three runs side by side), then their median: the figure least moved by the load
+    round_ratio = statistics.median(d / h for d, h in zip(runs["dense"], runs["hybrid_step_on"]))
+    round_ratio_off = statistics.median(d / h for d, h in zip(runs["dense"], runs["hybrid_step_off"]))
 
     info["load_average_at_end"] = os.getloadavg()[0]  # other processes on the machine: the timings' noise
-    one = next(r["verify_ms"] for r in verify if r["shape"] == "tree" and r["n"] == 1)
-    tree64 = next(r["verify_ms"] for r in verify if r["shape"] == "tree" and r["n"] == 64)
+    one = next((r["verify_ms"] for r in verify if r["shape"] == "tree" and r["n"] == 1), None)
+    tree64 = next((r["verify_ms"] for r in verify if r["shape"] == "tree" and r["n"] == 64), None)
     result = dict(
         info=info,
         hybrid=dict(layers=args.layers, layer_types="3 GDN : 1 gated attention", layer_weights=h_params,
                     embedding_weights=VOCAB * HIDDEN, config=hcfg.__dict__ | dict(layer_types=None)),
         dense=dict(layers=dense_layers, layer_weights=d_params, config=dense_config(dense_layers).__dict__),
         ar=dict(hybrid_ms_per_token=hybrid_ar, dense_ms_per_token=dense_ar, hybrid_tok_s=1e3 / hybrid_ar,
-                dense_tok_s=1e3 / dense_ar, hybrid_vs_dense=dense_ar / hybrid_ar),
+                dense_tok_s=1e3 / dense_ar, hybrid_vs_dense=dense_ar / hybrid_ar,
+                hybrid_step_off_ms_per_token=hybrid_ar_off, hybrid_step_off_tok_s=1e3 / hybrid_ar_off,
+                hybrid_step_off_vs_dense=dense_ar / hybrid_ar_off, runs_ms=runs,
+                hybrid_vs_dense_per_round_median=round_ratio, hybrid_step_off_vs_dense_per_round_median=round_ratio_off),
         verify=verify, dense_verify=dense_verify,
-        targets=dict(ar_hybrid_vs_dense=dense_ar / hybrid_ar, ar_target=0.8, tree64_vs_one_token=tree64 / one,
-                     tree64_target=2.5),
+        targets=dict(ar_hybrid_vs_dense=dense_ar / hybrid_ar, ar_target=0.8,
+                     tree64_vs_one_token=None if one is None else tree64 / one, tree64_target=2.5),
     )
-    print(f"\nAR: hybrid {1e3 / hybrid_ar:.2f} tok/s, dense {1e3 / dense_ar:.2f} tok/s "
-          f"(hybrid / dense {dense_ar / hybrid_ar:.2f}x; target >= 0.8x)")
+    print(f"\nAR: hybrid {1e3 / hybrid_ar:.2f} tok/s with the GDN step kernel, {1e3 / hybrid_ar_off:.2f} without; "
+          f"dense {1e3 / dense_ar:.2f} tok/s (hybrid / dense {dense_ar / hybrid_ar:.2f}x with, "
+          f"{dense_ar / hybrid_ar_off:.2f}x without; target >= 0.8x)\n"
+          f"    median of the rounds' own ratios: {round_ratio:.2f}x with, {round_ratio_off:.2f}x without; "
+          f"runs (ms a token): " + "; ".join(f"{k} " + " ".join(f"{v:.1f}" for v in vs) for k, vs in runs.items()))
+    if args.ar_only:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+        print(f"wrote {args.out}")
+        return
     print("\n| shape | n | head rows | max depth | verify (ms) | x 1 token | GDN mixers | GDN core | composed GDN (ms) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in verify:

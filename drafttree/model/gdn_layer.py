@@ -5,6 +5,10 @@ its `GDNLayerState` (model/state.py), not on the module.
 needs. `commit(st, path)` folds the accepted root-to-node path into the state (or defers that to the
 next forward).
 
+On the kernel paths (`use_cpu_kernels` sets `kernel_isa`) a one-token forward is one C++ call between the two
+projections (ops/gdn/step.py): it returns the new conv context and recurrent state as fresh tensors, which the
+commit swaps in; `step.USE_STEP = False` runs it through the composed ops below instead (the reference).
+
 Projections are re-laid out at load time into one flat matmul: [q | k | v | z | b | a], with
 q, k [Hk·dk], v, z [Hv·dv], b, a [Hv]; value head h belongs to key head h // r (both families).
 """
@@ -18,10 +22,12 @@ import torch.nn.functional as F
 
 from drafttree.ops.conv import causal_conv1d, tree_causal_conv1d
 from drafttree.ops.gdn.fused import gdn_tree_verify
+from drafttree.ops.gdn import step
 from drafttree.ops.gdn.naive import chunk_gated_delta_rule, prepare_qk
 from drafttree.ops.gdn.tree import GDNTreeStash, commit_gdn_path, replay_gdn_path
 
 from .hybrid_config import HybridConfig
+from .layers import FusedKernel
 from .state import GDNLayerState
 
 # A causal chain up to this length goes through the masked solve (its commit of any prefix is a fold);
@@ -41,10 +47,11 @@ class TreeInfo:
 class _Pending:
     """What one forward leaves for the commit."""
 
-    E: torch.Tensor                 # [(K-1)+T, C] conv context + new pre-conv inputs
+    E: torch.Tensor | None          # [(K-1)+T, C] conv context + new pre-conv inputs (None: a kernel step)
     conv_index: torch.Tensor | None  # tree forward: window rows; None for a chain
     core: GDNTreeStash | None       # masked-solve stash (tree, or short chain)
     chain: tuple | None             # long chain: (q, k, v, g, beta, final state)
+    step: tuple | None = None       # one-token kernel step: (new conv context, new recurrent state)
 
 
 class GatedRMSNorm(nn.Module):
@@ -62,7 +69,7 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * xf.to(dtype) * F.silu(gate.float())).to(dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(FusedKernel, nn.Module):
     def __init__(self, cfg: HybridConfig):
         super().__init__()
         self.Hk, self.Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -77,6 +84,8 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
         self.use_replay = False  # commit by replaying the recurrence instead of the fold (cross-check)
+        self.kernel_isa: str | None = None  # set by use_cpu_kernels: one-token forwards run ops/gdn/step.py
+        self._conv_wt: tuple | None = None  # ((data_ptr, version) of conv_weight, its [K, C] transpose) for the step
 
     def new_state(self) -> GDNLayerState:
         return GDNLayerState(conv_ctx=torch.zeros(self.K - 1, self.conv_dim, dtype=self.conv_weight.dtype),
@@ -87,6 +96,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, tree: TreeInfo | None, st: GDNLayerState) -> torch.Tensor:
         self.apply_deferred_commit(st)
         T = x.shape[0]
+        if T == 1 and self._step_ready(x, st):
+            return self._kernel_step(x, st)
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.Hv, self.Hv], dim=-1)
         if tree is None:
             mixed, E = causal_conv1d(mixed, self.conv_weight, st.conv_ctx)
@@ -111,6 +122,29 @@ class GatedDeltaNet(nn.Module):
         y = self.norm(o, z.view(T, self.Hv, self.dv)).reshape(T, self.value_dim)
         return self.out_proj(y)
 
+    def _step_ready(self, x: torch.Tensor, st: GDNLayerState) -> bool:
+        return (step.USE_STEP and self.kernel_isa is not None and x.device.type == "cpu"
+                and all(t.dtype == torch.float32 for t in (x, self.conv_weight, st.conv_ctx, st.recurrent))
+                and step.step_available())
+
+    def _conv_weight_t(self) -> torch.Tensor:
+        w = self.conv_weight
+        try:
+            version = w._version
+        except RuntimeError:  # an inference tensor keeps no version counter (and cannot change outside inference mode)
+            version = -1
+        key = (w.data_ptr(), version)
+        if self._conv_wt is None or self._conv_wt[0] != key:
+            self._conv_wt = (key, w.detach().t().contiguous())
+        return self._conv_wt[1]
+
+    def _kernel_step(self, x: torch.Tensor, st: GDNLayerState) -> torch.Tensor:
+        """One token through the C++ step: the committed state is read, the new one waits for the commit."""
+        y, ctx, S = step.gdn_step(self.in_proj(x), self._conv_weight_t(), st.conv_ctx, self.A_log, self.dt_bias,
+                                  self.norm.weight, st.recurrent, self.Hk, self.norm.eps, self.kernel_isa)
+        st.pending = _Pending(E=None, conv_index=None, core=None, chain=None, step=(ctx, S))
+        return self.out_proj(y)
+
     # ---- commit --------------------------------------------------------------------------------
 
     def commit(self, st: GDNLayerState, path: torch.Tensor, defer: bool = False) -> None:
@@ -131,6 +165,11 @@ class GatedDeltaNet(nn.Module):
             return
         st.deferred, st.pending = None, None
         A, K = path.numel(), self.K
+        if p.step is not None:  # a kernel step computed the accepted token's state already: swap it in
+            if A != 1 or int(path[0]) != 0:
+                raise ValueError(f"a one-token forward commits the path [0], got {path.tolist()}")
+            st.conv_ctx, st.recurrent = p.step
+            return
         if p.conv_index is None:  # chain: the path is a prefix
             st.conv_ctx = p.E[A:A + K - 1].clone()
         else:

@@ -30,6 +30,9 @@ std::vector<torch::Tensor> decoder_stack(torch::Tensor x, const std::vector<std:
 std::vector<torch::Tensor> gdn_tree_verify(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
                                            torch::Tensor beta, torch::Tensor S0, torch::Tensor parents,
                                            int64_t isa);
+std::vector<torch::Tensor> gdn_step(torch::Tensor proj, torch::Tensor conv_wt, torch::Tensor conv_ctx,
+                                    torch::Tensor A_log, torch::Tensor dt_bias, torch::Tensor norm_w, torch::Tensor S0,
+                                    int64_t Hk, double norm_eps, int64_t isa);
 
 // Every kernel runs without the GIL (arguments are converted before, results after): a decoder stack call is a
 // whole forward (≈ 15 ms a token on a 2-vCPU Zen 3), and `drafttree serve`'s HTTP thread, woken by each round's
@@ -45,5 +48,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "row-wise RMSNorm (ops/pointwise)", no_gil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up (ops/pointwise)", no_gil);
   m.def("gdn_tree_verify", &gdn_tree_verify, "Gated DeltaNet tree verification over ancestor lists (ops/gdn)", no_gil);
+  m.def("gdn_step", &gdn_step, "one Gated DeltaNet decode step: conv, gates, state update, gated norm (ops/gdn)", no_gil);
   m.def("decoder_stack", &decoder_stack, "a llama/qwen3 decoder stack in one call (ops/decoder)", no_gil);
 }

@@ -62,6 +62,14 @@ def test_every_linear_is_quantized_and_the_gdn_state_stays_fp32(hybrid_checkpoin
     st = m.new_state(32)
     m.prefill(st, torch.arange(5))
     assert all(s.recurrent.dtype == torch.float32 and s.conv_ctx.dtype == torch.float32 for s in st.gdn)
+    # a one-token forward (AR, a one-node tree) runs the C++ GDN step (ops/gdn/step.py) on these paths
+    from drafttree.ops.gdn.step import step_available
+
+    m.forward(st, torch.tensor([7]))
+    assert all(gdn.kernel_isa is not None for gdn in m.gdn_layers())
+    assert all(s.pending.step is not None for s in st.gdn) == step_available()
+    m.commit(st, torch.tensor([0]))
+    assert all(s.recurrent.dtype == torch.float32 and s.conv_ctx.dtype == torch.float32 for s in st.gdn)
 
 
 @pytest.mark.parametrize("compute", ["int8", "q4"])
