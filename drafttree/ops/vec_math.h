@@ -1,5 +1,6 @@
 // Vector math shared by the CPU kernels (included, not compiled on its own).
 #pragma once
+#include <cstdint>
 #include <immintrin.h>
 
 namespace drafttree {
@@ -38,6 +39,39 @@ __attribute__((target("avx2,fma"))) inline __m256 exp256(__m256 x) {
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
+}
+
+// Σ x² over a row (RMSNorm, the GDN step's l2 norms): the same additions in the same order in every kernel
+inline float sumsq_scalar(const float* x, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+__attribute__((target("avx2,fma"))) inline float sumsq_avx2(const float* x, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+__attribute__((target("avx512f"))) inline float sumsq_avx512(const float* x, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  float s = _mm512_reduce_add_ps(acc);
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
 }
 
 }  // namespace drafttree

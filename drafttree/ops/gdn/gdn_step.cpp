@@ -68,39 +68,6 @@ __attribute__((target("avx512f"))) void conv_silu_avx512(const float* ctx, const
   }
 }
 
-// ---- Σ x², and y = s ⊙ x ----
-float sumsq_scalar(const float* x, int64_t n) {
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += x[i] * x[i];
-  return s;
-}
-
-__attribute__((target("avx2,fma"))) float sumsq_avx2(const float* x, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    acc = _mm256_fmadd_ps(v, v, acc);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  float s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-  for (; i < n; ++i) s += x[i] * x[i];
-  return s;
-}
-
-__attribute__((target("avx512f"))) float sumsq_avx512(const float* x, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
-  }
-  float s = _mm512_reduce_add_ps(acc);
-  for (; i < n; ++i) s += x[i] * x[i];
-  return s;
-}
-
 // ---- one value head's state update: pass 1 (kS, qS), u and o, pass 2 (S₁) ----
 // S0, S1 [dk, dv]; q, k [dk] prepared; v, o [dv]; tmp [2 dv] scratch.
 void head_scalar(const float* S0, const float* q, const float* k, const float* v, float eg, float beta, float qk,
@@ -294,9 +261,9 @@ struct Ops {
 };
 
 Ops ops_for(int64_t isa) {
-  if (isa >= kAvx512) return {conv_silu_avx512, sumsq_avx512, head_avx512, gated_norm_avx512};
-  if (isa == kAvx2) return {conv_silu_avx2, sumsq_avx2, head_avx2, gated_norm_avx2};
-  return {conv_silu_scalar, sumsq_scalar, head_scalar, gated_norm_scalar};
+  if (isa >= kAvx512) return {conv_silu_avx512, drafttree::sumsq_avx512, head_avx512, gated_norm_avx512};
+  if (isa == kAvx2) return {conv_silu_avx2, drafttree::sumsq_avx2, head_avx2, gated_norm_avx2};
+  return {conv_silu_scalar, drafttree::sumsq_scalar, head_scalar, gated_norm_scalar};
 }
 
 void check_f32(const torch::Tensor& t, const char* name) {

@@ -16,42 +16,24 @@ enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // y = w * (x * rsqrt(mean(x^2) + eps)), as layers.RMSNorm computes it in float32.
 void rms_row_scalar(const float* x, const float* w, int64_t H, float eps, float* y) {
-  float ss = 0.f;
-  for (int64_t c = 0; c < H; ++c) ss += x[c] * x[c];
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  const float r = 1.f / std::sqrt(drafttree::sumsq_scalar(x, H) / static_cast<float>(H) + eps);
   for (int64_t c = 0; c < H; ++c) y[c] = w[c] * (x[c] * r);
 }
 
 __attribute__((target("avx512f"))) void rms_row_avx512(const float* x, const float* w, int64_t H, float eps, float* y) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t c = 0;
-  for (; c + 16 <= H; c += 16) {
-    const __m512 v = _mm512_loadu_ps(x + c);
-    acc = _mm512_fmadd_ps(v, v, acc);
-  }
-  float ss = _mm512_reduce_add_ps(acc);
-  for (; c < H; ++c) ss += x[c] * x[c];
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  const float r = 1.f / std::sqrt(drafttree::sumsq_avx512(x, H) / static_cast<float>(H) + eps);
   const __m512 vr = _mm512_set1_ps(r);
-  for (c = 0; c + 16 <= H; c += 16)
+  int64_t c = 0;
+  for (; c + 16 <= H; c += 16)
     _mm512_storeu_ps(y + c, _mm512_mul_ps(_mm512_loadu_ps(w + c), _mm512_mul_ps(_mm512_loadu_ps(x + c), vr)));
   for (; c < H; ++c) y[c] = w[c] * (x[c] * r);
 }
 
 __attribute__((target("avx2,fma"))) void rms_row_avx2(const float* x, const float* w, int64_t H, float eps, float* y) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t c = 0;
-  for (; c + 8 <= H; c += 8) {
-    const __m256 v = _mm256_loadu_ps(x + c);
-    acc = _mm256_fmadd_ps(v, v, acc);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  float ss = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-  for (; c < H; ++c) ss += x[c] * x[c];
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  const float r = 1.f / std::sqrt(drafttree::sumsq_avx2(x, H) / static_cast<float>(H) + eps);
   const __m256 vr = _mm256_set1_ps(r);
-  for (c = 0; c + 8 <= H; c += 8)
+  int64_t c = 0;
+  for (; c + 8 <= H; c += 8)
     _mm256_storeu_ps(y + c, _mm256_mul_ps(_mm256_loadu_ps(w + c), _mm256_mul_ps(_mm256_loadu_ps(x + c), vr)));
   for (; c < H; ++c) y[c] = w[c] * (x[c] * r);
 }
