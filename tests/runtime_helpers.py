@@ -2,6 +2,14 @@
 logits against transformers' own model."""
 import torch
 
+from drafttree.compute import cpu_info
+
+
+def kernel_isas(avx512_flag: str = "avx512_vnni") -> list[str]:
+    """The C++ kernels' code paths this CPU runs (honouring DRAFTTREE_ISA=avx2): scalar always, AVX2, and the
+    AVX-512 one where the CPU has `avx512_flag` (VNNI for the integer matmuls, plain AVX-512F for float kernels)."""
+    return ["scalar"] + [isa for isa, flag in (("avx2", "avx2"), ("avx512_vnni", avx512_flag)) if cpu_info().has(flag)]
+
 
 def random_tree_parents(n: int, gen: torch.Generator) -> list[int]:
     return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]

@@ -4,13 +4,12 @@ real model, for a prefill, a one-token step and a tree."""
 import pytest
 import torch
 
-from drafttree.compute import cpu_info
 from drafttree.load import load_target
 from drafttree.model.linear import Int8Linear
 from drafttree.ops.decoder import DecoderStack
-from runtime_helpers import ancestor_mask, random_tree_parents
+from runtime_helpers import ancestor_mask, kernel_isas, random_tree_parents
 
-ISAS = ["scalar"] + [isa for isa, flag in (("avx2", "avx2"), ("avx512_vnni", "avx512_vnni")) if cpu_info().has(flag)]
+ISAS = kernel_isas()
 
 
 def run(model, prompt, tokens, mask, capture):

@@ -9,22 +9,12 @@ from drafttree.model.hybrid_config import HybridConfig
 from drafttree.ops.conv import chain_conv_index
 from drafttree.ops.gdn import step
 from drafttree.ops.gdn.step import gdn_step, gdn_step_reference, step_available
+from runtime_helpers import kernel_isas
 
 pytestmark = pytest.mark.skipif(not step_available(), reason="CPU kernels unavailable")
 
 
-def _isas():
-    from drafttree.compute import cpu_info
-
-    isas = ["scalar"]
-    if cpu_info().has("avx2") and cpu_info().has("fma"):
-        isas.append("avx2")
-    if cpu_info().has("avx512f"):
-        isas.append("avx512_vnni")
-    return isas
-
-
-ISAS = _isas()
+ISAS = kernel_isas("avx512f")
 
 
 def rel_err(x, ref):

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from drafttree.compute import cpu_info
 from drafttree.ops.int8 import (int8_linear, int8_linear_ref, pack_weight, packed_rows, prepare_weight, quantize_rows,
                                 unpack_weight)
+from runtime_helpers import kernel_isas
 
-ISAS = ["scalar"] + [isa for isa, flag in (("avx2", "avx2"), ("avx512_vnni", "avx512_vnni")) if cpu_info().has(flag)]
+ISAS = kernel_isas()
 # (rows, K, N); the last two are weights of >= 2 MiB, which AVX-512 VNNI streams one panel at a time
 # (16-row tiles: 17 rows leave a 1-row tile, N = 3650 a partial last panel)
 SHAPES = [(1, 576, 576), (3, 100, 7), (16, 1536, 576), (5, 576, 1539), (64, 2880, 200), (7, 13, 33), (130, 64, 40),

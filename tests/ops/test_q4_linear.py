@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from drafttree.compute import cpu_info
 from drafttree.ops.q4 import dequantize_q4_1, pack_q4, q4_linear, q4_linear_ref, quantize_q4_1, unpack_gguf_q4_1
+from runtime_helpers import kernel_isas
 
-ISAS = ["scalar"] + [isa for isa, flag in (("avx2", "avx2"), ("avx512_vnni", "avx512_vnni")) if cpu_info().has(flag)]
+ISAS = kernel_isas()
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from drafttree.compute import cpu_info
 from drafttree.ops.attention import tree_attention, tree_attention_ref
+from runtime_helpers import kernel_isas
 
-ISAS = ["scalar"] + [isa for isa, flag in (("avx2", "avx2"), ("avx512_vnni", "avx512f")) if cpu_info().has(flag)]
+ISAS = kernel_isas("avx512f")
 
 
 def ancestor_mask(parents):
