@@ -72,10 +72,15 @@ def accept_greedy(tree: DraftTree, target_argmax: TargetArgmax) -> Acceptance:
         argmax_at = target_argmax
     else:
         raise TypeError("target_argmax must be a LongTensor[n] or a callable node -> token")
-    path = [0]
-    cur = 0
+    return _walk(tree, lambda node: int(argmax_at(node)))
+
+
+def _walk(tree: DraftTree, token_at: Callable[[int], int]) -> Acceptance:
+    """From the root, follow the child carrying the target's token at each node; the first token no child
+    carries is the bonus. Both walks (greedy and sampled) differ only in how that token is chosen."""
+    path, cur = [0], 0
     while True:
-        tok = int(argmax_at(cur))
+        tok = token_at(cur)
         child = tree.child_maps[cur].get(tok)
         if child is None:
             return Acceptance(torch.tensor(path, dtype=torch.long), tok)
@@ -111,15 +116,11 @@ def accept_sampling(tree: DraftTree, target_probs: TargetProbs, generator: torch
         probs_at = target_probs
     else:
         raise TypeError("target_probs must be a FloatTensor[n, V] or a callable node -> probs[V]")
-    path = [0]
-    cur = 0
-    while True:
-        probs = probs_at(cur)
+
+    def sampled_at(node: int) -> int:
+        probs = probs_at(node)
         if probs.dim() != 1:
-            raise ValueError(f"probabilities for node {cur} must be 1-D [V], got shape {tuple(probs.shape)}")
-        tok = int(sample_from(probs, generator))
-        child = tree.child_maps[cur].get(tok)
-        if child is None:
-            return Acceptance(torch.tensor(path, dtype=torch.long), tok)
-        path.append(child)
-        cur = child
+            raise ValueError(f"probabilities for node {node} must be 1-D [V], got shape {tuple(probs.shape)}")
+        return int(sample_from(probs, generator))
+
+    return _walk(tree, sampled_at)
