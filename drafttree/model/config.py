@@ -6,6 +6,18 @@ from dataclasses import dataclass
 SUPPORTED_DENSE = ("llama", "qwen3")
 
 
+def plain_rope(hf) -> tuple[dict, float]:
+    """(rope parameters, rope_theta) of a transformers config, refusing RoPE scalings the runtime lacks."""
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"unsupported rope scaling {rope_type!r}: only plain RoPE ('default') is supported")
+    theta = rope.get("rope_theta", getattr(hf, "rope_theta", None))
+    if theta is None:
+        raise ValueError("config has no rope_theta")
+    return rope, theta
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -43,13 +55,7 @@ class ModelConfig:
         mt = hf.model_type
         if mt not in SUPPORTED_DENSE:
             raise ValueError(f"unsupported architecture {mt!r}: the dense runtime supports {SUPPORTED_DENSE}")
-        rope = dict(getattr(hf, "rope_parameters", None) or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"unsupported rope scaling {rope_type!r}: only plain RoPE ('default') is supported")
-        theta = rope.get("rope_theta", getattr(hf, "rope_theta", None))
-        if theta is None:
-            raise ValueError("config has no rope_theta")
+        _, theta = plain_rope(hf)
         if getattr(hf, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported by the runtime")
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import plain_rope
+
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_text")
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -59,13 +61,7 @@ class HybridConfig:
         family = "qwen3_next" if mt == "qwen3_next" else "qwen3_5"
         if hf.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {hf.hidden_act!r}: only 'silu' is supported")
-        rope = dict(getattr(hf, "rope_parameters", None) or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"unsupported rope scaling {rope_type!r}: only plain RoPE ('default') is supported")
-        theta = rope.get("rope_theta", getattr(hf, "rope_theta", None))
-        if theta is None:
-            raise ValueError("config has no rope_theta")
+        rope, theta = plain_rope(hf)
         # Qwen3.5's multi-section RoPE gives the T/H/W sections their own positions; for text all three
         # are the token position, so it reduces to plain (partial) RoPE and mrope_section does not matter.
         partial = float(rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)))

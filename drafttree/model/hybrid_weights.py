@@ -11,8 +11,8 @@ import re
 import torch
 
 from .hybrid_config import HybridConfig
+from .weights import split_checkpoint
 
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.")  # multi-token-prediction head, vision tower
 _RENAME = {
@@ -59,24 +59,10 @@ def _flatten_qwen3_next_gdn(qkvz: torch.Tensor, ba: torch.Tensor, cfg: HybridCon
 
 
 def to_hybrid_state_dict(hf: dict[str, torch.Tensor], cfg: HybridConfig) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    per_layer: dict[int, dict[str, torch.Tensor]] = {}
-    for name, t in hf.items():
-        if name.startswith("model.language_model."):  # qwen3_5 multimodal layout
-            name = "model." + name[len("model.language_model."):]
-        if name.startswith(_IGNORED_PREFIXES) or name.endswith("rotary_emb.inv_freq"):
-            continue
-        if name == "model.embed_tokens.weight":
-            out["embed_tokens.weight"] = t
-        elif name == "model.norm.weight":
-            out["norm.weight"] = t
-        elif name == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                out["lm_head.weight"] = t
-        elif m := _LAYER.fullmatch(name):
-            per_layer.setdefault(int(m.group(1)), {})[m.group(2)] = t
-        else:
-            raise ValueError(f"unexpected tensor {name!r} in a {cfg.family} checkpoint")
+    text = "model.language_model."  # qwen3_5 multimodal layout
+    hf = {("model." + name[len(text):] if name.startswith(text) else name): t for name, t in hf.items()}
+    hf = {name: t for name, t in hf.items() if not name.startswith(_IGNORED_PREFIXES)}
+    out, per_layer = split_checkpoint(hf, cfg.tie_word_embeddings, cfg.family)
     for i, parts in sorted(per_layer.items()):
         if i >= cfg.num_layers:
             raise ValueError(f"checkpoint has layer {i} but config.num_hidden_layers is {cfg.num_layers}")

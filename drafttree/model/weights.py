@@ -54,24 +54,32 @@ _FUSED = {
 }
 
 
-def to_runtime_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename (and fuse) Hugging Face llama/qwen3 tensor names into the runtime's."""
+def split_checkpoint(hf: dict[str, torch.Tensor], tie_word_embeddings: bool,
+                     family: str) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+    """A Hugging Face checkpoint's tensors split into the top-level ones under the runtime's names and each
+    layer's under its name inside the layer; RoPE tables are skipped (derived from the config)."""
     out: dict[str, torch.Tensor] = {}
     per_layer: dict[int, dict[str, torch.Tensor]] = {}
     for name, t in hf.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
         if name == "model.embed_tokens.weight":
             out["embed_tokens.weight"] = t
         elif name == "model.norm.weight":
             out["norm.weight"] = t
         elif name == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
+            if not tie_word_embeddings:
                 out["lm_head.weight"] = t
         elif m := _LAYER.fullmatch(name):
             per_layer.setdefault(int(m.group(1)), {})[m.group(2)] = t
-        elif name.endswith("rotary_emb.inv_freq"):
-            continue  # derived from the config
         else:
-            raise ValueError(f"unexpected tensor {name!r} in a {cfg.model_type} checkpoint")
+            raise ValueError(f"unexpected tensor {name!r} in a {family} checkpoint")
+    return out, per_layer
+
+
+def to_runtime_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename (and fuse) Hugging Face llama/qwen3 tensor names into the runtime's."""
+    out, per_layer = split_checkpoint(hf, cfg.tie_word_embeddings, cfg.model_type)
     for i, parts in sorted(per_layer.items()):
         if i >= cfg.num_layers:
             raise ValueError(f"checkpoint has layer {i} but config.num_hidden_layers is {cfg.num_layers}")
