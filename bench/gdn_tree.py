@@ -128,7 +128,7 @@ def main():
     ap.add_argument("--sizes", default="16,64,128,256")
     ap.add_argument("--key-heads", type=int, default=16)
     ap.add_argument("--heads", type=int, default=16, help="value heads")
-    ap.add_argument("--isa", default=default_isa(), help="the fused kernel's path: avx2 or scalar")
+    ap.add_argument("--isa", default=default_isa(), help="the fused kernel's path: avx512_vnni (AVX-512F), avx2 or scalar")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

@@ -28,8 +28,7 @@ std::vector<torch::Tensor> decoder_stack(torch::Tensor x, const std::vector<std:
                                          const std::vector<int64_t>& capture, int64_t isa);
 
 std::vector<torch::Tensor> gdn_tree_verify(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
-                                           torch::Tensor beta, torch::Tensor S0, torch::Tensor parents,
-                                           int64_t isa);
+                                           torch::Tensor beta, torch::Tensor S0, torch::Tensor tree, int64_t isa);
 std::vector<torch::Tensor> gdn_step(torch::Tensor proj, torch::Tensor conv_wt, torch::Tensor conv_ctx,
                                     torch::Tensor A_log, torch::Tensor dt_bias, torch::Tensor norm_w, torch::Tensor S0,
                                     int64_t Hk, double norm_eps, int64_t isa);

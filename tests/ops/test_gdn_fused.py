@@ -1,6 +1,7 @@
 """The fused C++ GDN tree verify against the composed op (its reference) and the fp64 per-path oracle."""
 import pytest
 import torch
+from runtime_helpers import kernel_isas
 
 from drafttree.ops.gdn.fused import fused_available, tree_gated_delta_verify_fused
 from drafttree.ops.gdn.naive import tree_oracle
@@ -9,7 +10,7 @@ from drafttree.ops.gdn.tree import ancestor_mask, commit_gdn_path, tree_gated_de
 
 pytestmark = pytest.mark.skipif(not fused_available(), reason="CPU kernels unavailable")
 
-ISAS = ["avx2", "scalar"]
+ISAS = kernel_isas("avx512f")  # the AVX-512 path needs only AVX-512F
 
 
 def rel_err(x, ref):
@@ -78,14 +79,35 @@ def test_fused_rounds_with_commits(isa):
         assert rel_err(S_fused, S_ref) < 1e-5
 
 
-def test_fused_isas_agree():
-    gen = torch.Generator().manual_seed(2)
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "scalar"])
+@pytest.mark.parametrize("dk,dv", [(128, 128), (24, 40), (100, 132)])
+def test_fused_isas_agree(isa, dk, dv):
+    """The SIMD paths (GEMM for k̂S₀ / q̂S₀, register-blocked rows, four-ancestor Gram blocks) against the scalar
+    loops, at the model's head size and at sizes that leave vector tails in d_k, d_v and the ancestor blocks."""
+    gen = torch.Generator().manual_seed(2 + dk)
     parents = make_parents("random", 64, gen)
-    x = [t.float() for t in make_gdn_inputs(2, 2, 64, 128, 128, gen)]
+    x = [t.float() for t in make_gdn_inputs(2, 4, 64, dk, dv, gen)]
     M = ancestor_mask(parents)
-    o_a, _ = tree_gated_delta_verify_fused(*x, M, isa="avx2")
-    o_s, _ = tree_gated_delta_verify_fused(*x, M, isa="scalar")
-    assert rel_err(o_a, o_s) < 1e-5
+    o_a, st_a = tree_gated_delta_verify_fused(*x, M, isa=isa)
+    o_s, st_s = tree_gated_delta_verify_fused(*x, M, isa="scalar")
+    o_c, _ = tree_gated_delta_verify(*x, M)
+    assert rel_err(o_a, o_s) < 1e-5 and rel_err(st_a.u, st_s.u) < 1e-5
+    assert rel_err(o_a, o_c) < 1e-5
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_fused_takes_parents_or_mask(isa):
+    """The kernel derives the parents from the bool mask itself; an int64 parents vector gives the same result."""
+    gen = torch.Generator().manual_seed(3)
+    parents = make_parents("random", 30, gen)
+    q, k, v, g, beta, S0 = (t.float()[None] for t in make_gdn_inputs(2, 2, 30, 16, 16, gen))
+    M = ancestor_mask(parents)
+    from drafttree.ops.cpu_extension import ISA_CODES, extension
+    from drafttree.ops.gdn.tree import parents_from_mask
+    by_mask = extension().gdn_tree_verify(q, k, v, g, beta, S0, M, ISA_CODES[isa])
+    by_parents = extension().gdn_tree_verify(q, k, v, g, beta, S0, parents_from_mask(M), ISA_CODES[isa])
+    for a, b in zip(by_mask, by_parents):
+        assert torch.equal(a, b)
 
 
 def test_fused_bad_input_raises_clear_errors():

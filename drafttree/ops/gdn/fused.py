@@ -1,19 +1,25 @@
 """The fused C++ tree verification (`gdn_tree.cpp`): same inputs and returns as the composed
-`tree.tree_gated_delta_verify`, which stays the reference. fp32 on CPU; rows walk their ancestor lists."""
+`tree.tree_gated_delta_verify`, which stays the reference. fp32 on CPU; rows walk their ancestor lists.
+Paths: AVX-512F, AVX2 + FMA (both take k̂S₀ / q̂S₀ from ATen's batched GEMM) and scalar (all plain loops)."""
 from __future__ import annotations
 
 import functools
 
 import torch
 
+from drafttree.compute import cpu_info
 from drafttree.ops.cpu_extension import ISA_CODES, extension, kernel_error
-from drafttree.ops.gdn.tree import GDNTreeStash, check_ancestor_mask, parents_from_mask, tree_gated_delta_verify
+from drafttree.ops.gdn.tree import GDNTreeStash, check_ancestor_mask, tree_gated_delta_verify
 
 
 @functools.cache
 def default_isa() -> str:
-    """AVX2 where torch's dispatcher found it (AVX-512 machines run the AVX2 path too), else scalar."""
-    return "avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "scalar"
+    """The widest path this CPU runs, honouring DRAFTTREE_ISA=avx2: AVX-512F (named "avx512_vnni" like the other
+    kernels' code 2; this kernel needs only AVX-512F), AVX2 + FMA, else scalar."""
+    info = cpu_info()
+    if info.has("avx512f"):
+        return "avx512_vnni"
+    return "avx2" if info.has("avx2") and info.has("fma") else "scalar"
 
 
 @functools.cache
@@ -59,8 +65,7 @@ def tree_gated_delta_verify_fused(q, k, v, g, beta, initial_state, mask, isa: st
     k32 = k.to(torch.float32)
     o, u, gamma = extension().gdn_tree_verify(
         f32(q, -1, Hk, n, dk), f32(k32, -1, Hk, n, dk), f32(v, -1, Hv, n, dv), f32(g, -1, Hv, n),
-        f32(beta, -1, Hv, n), f32(initial_state, -1, Hv, dk, dv), parents_from_mask(mask).contiguous(),
-        ISA_CODES[isa])
+        f32(beta, -1, Hv, n), f32(initial_state, -1, Hv, dk, dv), mask.to(torch.bool).contiguous(), ISA_CODES[isa])
     stash = GDNTreeStash(k=k32, u=u.reshape(*lead, Hv, n, dv), gamma=gamma.reshape(*lead, Hv, n), v=v, g=g, beta=beta)
     return o.reshape(*lead, Hv, n, dv), stash
 
