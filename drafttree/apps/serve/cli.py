@@ -115,10 +115,7 @@ def cmd_serve(a) -> int:
           f"{'; API key required' if api_key else ''}", file=sys.stderr)
     # The HTTP loop in a thread, the model's rounds here on the main thread that loaded it (Scheduler.run_here says
     # why); Ctrl-C reaches this thread, which stops both.
-    # Ctrl-C ends the server in seconds: connections still open after 5 s (a client that keeps its socket) are
-    # closed rather than waited on without end.
-    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level))
 
     def serve_http() -> None:
         try:
