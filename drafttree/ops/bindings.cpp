@@ -18,6 +18,7 @@ torch::Tensor rope_tree_attention_batched(torch::Tensor qkv, torch::Tensor cos, 
                                           c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa);
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m,
                         c10::optional<torch::Tensor> bias, int64_t n_out, int64_t isa);
+int64_t amx_mode(int64_t mode);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, int64_t isa);
 torch::Tensor silu_mul(torch::Tensor gate_up, int64_t isa);
 std::vector<torch::Tensor> decoder_stack(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& layers,
@@ -44,6 +45,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_tree_attention_batched", &rope_tree_attention_batched,
         "rope_tree_attention for several requests' rows, each against its own cache (ops/attention)", no_gil);
   m.def("q4_linear", &q4_linear, "GGUF Q4_1 blocks x per-row int8 activations (ops/q4)", no_gil);
+  m.def("amx_mode", &amx_mode, "int8_linear's AMX tiles: -1 asks, 0 off, 1 on where the CPU has them (ops/int8)");
   m.def("rms_norm", &rms_norm, "row-wise RMSNorm (ops/pointwise)", no_gil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up (ops/pointwise)", no_gil);
   m.def("gdn_tree_verify", &gdn_tree_verify, "Gated DeltaNet tree verification over ancestor lists (ops/gdn)", no_gil);

@@ -7,15 +7,31 @@ from drafttree.ops.int8 import (int8_linear, int8_linear_ref, pack_weight, packe
 from runtime_helpers import kernel_isas
 
 ISAS = kernel_isas()
+
+
+@pytest.fixture(params=["vnni-loops", "amx-tiles"])
+def amx(request):
+    """Both AVX-512 paths where the CPU has AMX (ops/int8 uses its tiles from 2 rows on): the tiles switched
+    off, then on; back to the default after. Elsewhere one pass (the tiles are skipped)."""
+    from drafttree.ops.cpu_extension import extension
+
+    ext = extension()
+    want = int(request.param == "amx-tiles")
+    if ext.amx_mode(want) != want:
+        ext.amx_mode(-1)
+        pytest.skip("no AMX tiles on this CPU")
+    yield request.param
+    ext.amx_mode(-1)
 # (rows, K, N); the last two are weights of >= 2 MiB, which AVX-512 VNNI streams one panel at a time
 # (16-row tiles: 17 rows leave a 1-row tile, N = 3650 a partial last panel)
+# (AMX: K = 100 and 13 leave a tail below 64 bytes, 130 and 17 rows a partial row group, 1539 a partial panel group)
 SHAPES = [(1, 576, 576), (3, 100, 7), (16, 1536, 576), (5, 576, 1539), (64, 2880, 200), (7, 13, 33), (130, 64, 40),
-          (17, 576, 3650), (2, 576, 3650)]
+          (17, 576, 3650), (2, 576, 3650), (33, 96, 70)]
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_equals_reference_bit_for_bit(isa, dtype):
+def test_kernel_equals_reference_bit_for_bit(isa, dtype, amx):
     gen = torch.Generator().manual_seed(0)
     for t, k, n in SHAPES:
         x = torch.randn(t, k, generator=gen).to(dtype)
@@ -28,7 +44,7 @@ def test_kernel_equals_reference_bit_for_bit(isa, dtype):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("n", [300, 3650])  # a small weight, and one big enough to be streamed
-def test_a_row_does_not_depend_on_the_batch(isa, n):
+def test_a_row_does_not_depend_on_the_batch(isa, n, amx):
     """Integer sums: row i of a T-row call is the one-row call on row i (what makes tree verify lossless)."""
     x, w = torch.randn(16, 576), torch.randn(n, 576) * 0.05
     packed, scale, sums = prepare_weight(w)

@@ -12,8 +12,13 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <cstdlib>
 #include <utility>
 #include <cmath>
 #include <cstdint>
@@ -183,6 +188,86 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const Tile
     for (int p = 0; p < NP; ++p) _mm512_storeu_si512(a.acc + (i * NP + p) * kPanel, acc[i][p]);
 }
 
+// AMX (Sapphire Rapids and later): tdpbusd multiplies up to 16 rows of 64 unsigned inputs (x+128, as VNNI
+// reads them) by a 64 x 16 block of signed weights, which the packed layout already holds as one 1 KiB
+// tile (16 lines of [16 columns][4 k]): no repacking. The sums accumulate over all of K in the tile and are
+// the exact integers the VNNI loop makes, so the shared epilogue gives the same bits: a row still does not
+// depend on the batch, and AMX on or off leaves every output unchanged.
+constexpr int kAmxRows = 16, kAmxPanels = 4, kAmxK = 64;
+constexpr int64_t kAmxMinRows = 2;  // from 2 rows on AMX is faster than the VNNI loops (bench/amx_ab.py)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out the 8 KiB tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+bool amx_permitted() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    const bool has_amx = (d >> 24 & 1) && (d >> 25 & 1);  // AMX-TILE, AMX-INT8
+    return has_amx && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  }();
+  return ok;
+}
+
+// -1 until first asked: on where the CPU has AMX unless DRAFTTREE_AMX=0; tests and benches switch it.
+std::atomic<int> amx_state{-1};
+
+bool amx_on() {
+  int mode = amx_state.load(std::memory_order_relaxed);
+  if (mode < 0) {
+    const char* env = std::getenv("DRAFTTREE_AMX");
+    mode = (env && std::strcmp(env, "0") == 0) ? 0 : int(amx_permitted());
+    amx_state.store(mode, std::memory_order_relaxed);
+  }
+  return mode == 1;
+}
+
+// C in tmm0-3 (rows x 16 int32), A in tmm4 (rows x 64 bytes), B in tmm5 (16 x 64); a K tail of `tail`
+// bytes (Kp % 64) in tmm6 (A) and tmm7 (B).
+__attribute__((target("amx-tile,amx-int8"))) void amx_configure(int rows, int tail) {
+  TileConfig cfg;
+  for (int t = 0; t < kAmxPanels; ++t) cfg.colsb[t] = 64, cfg.rows[t] = rows;
+  cfg.colsb[4] = kAmxK, cfg.rows[4] = rows;
+  cfg.colsb[5] = 64, cfg.rows[5] = kAmxK / 4;
+  if (tail) cfg.colsb[6] = tail, cfg.rows[6] = rows, cfg.colsb[7] = 64, cfg.rows[7] = tail / 4;
+  // GCC 12's ldtilecfg asm declares a read of 8 bytes only: without this the stores past them can be dropped.
+  __asm__ volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
+
+// acc[i][p*16 + c] for `rows` rows and np <= 4 panels (np*16 columns, the epilogue's layout).
+__attribute__((target("amx-tile,amx-int8"))) void tile_amx(const TileArgs& a, int rows, int np) {
+  const int64_t cols = np * kPanel, full = a.Kp / kAmxK * kAmxK;
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  // Tile numbers are immediates: one statement per panel.
+  for (int64_t k = 0; k < full; k += kAmxK) {
+    const int8_t* w = a.w + k * kPanel;
+    _tile_loadd(4, a.x + k, a.Kp);
+    _tile_loadd(5, w, 64); _tile_dpbusd(0, 4, 5);
+    if (np > 1) { _tile_loadd(5, w + a.panel_stride, 64); _tile_dpbusd(1, 4, 5); }
+    if (np > 2) { _tile_loadd(5, w + 2 * a.panel_stride, 64); _tile_dpbusd(2, 4, 5); }
+    if (np > 3) { _tile_loadd(5, w + 3 * a.panel_stride, 64); _tile_dpbusd(3, 4, 5); }
+  }
+  if (full < a.Kp) {
+    const int8_t* w = a.w + full * kPanel;
+    _tile_loadd(6, a.x + full, a.Kp);
+    _tile_loadd(7, w, 64); _tile_dpbusd(0, 6, 7);
+    if (np > 1) { _tile_loadd(7, w + a.panel_stride, 64); _tile_dpbusd(1, 6, 7); }
+    if (np > 2) { _tile_loadd(7, w + 2 * a.panel_stride, 64); _tile_dpbusd(2, 6, 7); }
+    if (np > 3) { _tile_loadd(7, w + 3 * a.panel_stride, 64); _tile_dpbusd(3, 6, 7); }
+  }
+  _tile_stored(0, a.acc, cols * 4);
+  if (np > 1) _tile_stored(1, a.acc + kPanel, cols * 4);
+  if (np > 2) _tile_stored(2, a.acc + 2 * kPanel, cols * 4);
+  if (np > 3) _tile_stored(3, a.acc + 3 * kPanel, cols * 4);
+}
+
 using TileFn = void (*)(const TileArgs&);
 
 // Kernels by [panels - 1][rows - 1] for partial tiles at the right and bottom edges.
@@ -288,10 +373,36 @@ __attribute__((target("avx2"))) void epilogue_avx2(const Epilogue& e, const int3
   }
 }
 
+// Rows in groups of 16 (one tile configuration a group), groups of 4 panels shared out between threads.
+void gemm_amx(const int8_t* xq, int64_t T, const int8_t* wp, int64_t P, int64_t Kp, const Epilogue& epi, float* y) {
+  const int64_t panel_stride = Kp * kPanel, groups = (P + kAmxPanels - 1) / kAmxPanels;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (panel_stride * kAmxPanels));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) int32_t acc[kAmxRows * kAmxPanels * kPanel];
+    for (int64_t t0 = 0; t0 < T; t0 += kAmxRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, T - t0));
+      amx_configure(rows, static_cast<int>(Kp % kAmxK));
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t p0 = g * kAmxPanels;
+        const int np = static_cast<int>(std::min<int64_t>(kAmxPanels, P - p0));
+        tile_amx(TileArgs{xq + t0 * Kp, wp + p0 * panel_stride, Kp, panel_stride, acc}, rows, np);
+        epilogue_avx512(epi, acc, rows, np * kPanel, t0, p0 * kPanel, y);
+      }
+    }
+    amx_release();
+  });
+}
+
 template <typename out_t>
 void gemm(const int8_t* xq, const float* sx, int64_t T, const int8_t* wp, const float* sw, const int32_t* wsum,
           const float* bias, int64_t N, int64_t Kp, int64_t isa, out_t* y) {
   const int64_t P = (N + kPanel - 1) / kPanel, panel_stride = Kp * kPanel;
+  if constexpr (std::is_same_v<out_t, float>) {
+    if (isa == kAvx512Vnni && T >= kAmxMinRows && amx_on()) {
+      gemm_amx(xq, T, wp, P, Kp, Epilogue{sx, sw, bias, wsum, true, N}, y);
+      return;
+    }
+  }
   const bool stream = isa == kAvx512Vnni && T >= 2 && N * Kp >= VnniStreamTiles::kMinBytes;
   const int max_np = isa == kAvx2 ? 1 : stream ? VnniStreamTiles::kNP : 4;
   const int max_tt = stream ? VnniStreamTiles::kTT : 4;
@@ -377,4 +488,11 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor sw, t
     gemm(xq.data_ptr<int8_t>(), sx.data_ptr<float>(), T, wp.data_ptr<int8_t>(), sw.data_ptr<float>(),
          wsum.data_ptr<int32_t>(), b, N, Kp, isa, y.data_ptr<float>());
   return y;
+}
+
+// Tests and benches: -1 asks, 0 turns AMX off, 1 on where the CPU allows it; returns the mode now.
+int64_t amx_mode(int64_t mode) {
+  amx_on();  // the default is decided first
+  if (mode >= 0) amx_state.store(mode == 1 ? int(amx_permitted()) : 0);
+  return amx_state.load();
 }
