@@ -3,9 +3,12 @@ a git worktree under /tmp, kept for the next run so its kernels compile once), e
 decoding the same prompts with the same methods, alternating revision order per prompt so that the machine's
 drift hits both alike. Prints the CPU's ISA, tok/s, τ and the
 draft / tree / verify ms per drafted round of each, the ratios to the base, and checks that both revisions
-emit the same tokens (greedy).
+emit the same tokens (greedy; where the two revisions run different compute paths, each method is checked against its
+own revision's AR instead).
 
-  .venv/bin/python bench/revision_ab.py --base 8e1f94a --methods caddtree,lookup-caddtree --limit 2 --threads 2
+  .venv/bin/python bench/revision_ab.py --base 8e1f94a --methods caddtree,lookup-caddtree,ddtree-b4 --limit 2 --threads 2
+
+(`ddtree-b4`: ddtree with a 4-node budget; a plain method name takes make_proposer's default.)
 """
 import argparse
 import json
@@ -36,7 +39,8 @@ def worker(tree: str, threads: int | None) -> None:
         req = json.loads(line)
         m = req["method"]
         if m not in proposers:
-            proposers[m] = None if m == "ar" else make_proposer(m, target, drafter)
+            method, _, budget = m.partition("-b")  # "ddtree-b4": ddtree with a 4-node budget
+            proposers[m] = None if m == "ar" else make_proposer(method, target, drafter, **({"budget": int(budget)} if budget else {}))
             generate(m, target, target.encode_chat("Hello!"), 8, proposer=proposers[m])  # warm-up: one-off costs
         st = generate(m, target, target.encode_chat(req["prompt"]), req["max_new_tokens"], proposer=proposers[m])
         s = st.stats
@@ -52,6 +56,7 @@ def start_worker(tree: Path, threads: int | None) -> subprocess.Popen:
     ready = proc.stdout.readline()
     if not ready:
         raise SystemExit(f"the worker for {tree} did not start")
+    proc.compute_label = json.loads(ready)["ready"]
     return proc
 
 
@@ -94,23 +99,35 @@ def main():
     print(f"CPU: {cpu.model} ({cpu.arch}); ISA: {cpu.isa_summary}; threads {a.threads}")
     revs = {"base " + a.base: base_tree(a.base), "working tree": REPO}
     procs = {name: start_worker(tree, a.threads) for name, tree in revs.items()}
-    methods, prompts = a.methods.split(","), [p for ds in a.datasets.split(",") for p in load_prompts(ds, a.limit)]
+    for name, proc in procs.items():
+        print(f"{name}: {proc.compute_label}")
+    # Revisions on one compute path must emit the same tokens; on different paths (auto chose another) each
+    # method is held to its own revision's AR instead (greedy: every method equals AR on the same weights).
+    same_path = len({p.compute_label for p in procs.values()}) == 1
+    methods = ["ar"] + [m for m in a.methods.split(",") if m != "ar"]
+    prompts = [p for ds in a.datasets.split(",") for p in load_prompts(ds, a.limit)]
     keys = ("new_tokens", "total_s", "draft_s", "tree_s", "verify_s", "drafted", "rounds")
     totals = {(m, r): dict.fromkeys(keys, 0) for m in methods for r in revs}
     for i, prompt in enumerate(tqdm(prompts, desc="prompts")):
         for m in methods:
             order = list(revs) if i % 2 == 0 else list(revs)[::-1]
             outs = {r: ask(procs[r], prompt=prompt, method=m, max_new_tokens=a.max_new_tokens) for r in order}
-            if len({tuple(o["tokens"]) for o in outs.values()}) != 1:
+            if m == "ar":
+                ar_tokens = {r: o["tokens"] for r, o in outs.items()}
+            if same_path and len({tuple(o["tokens"]) for o in outs.values()}) != 1:
                 raise SystemExit(f"{m}: the revisions emit different tokens for prompt {i}: a bug")
+            for r, o in outs.items():
+                if o["tokens"] != ar_tokens[r]:
+                    raise SystemExit(f"{m} ({r}): not AR's tokens for prompt {i}: a bug")
             for r, o in outs.items():
                 for k in keys:
                     totals[(m, r)][k] += o[k]
     for p in procs.values():
         p.stdin.close()
     base = next(iter(revs))
-    print("| method | revision | tok/s | τ | draft ms | tree ms | verify ms per drafted round | draft + tree vs base |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| method | revision | tok/s | × AR (same revision) | τ | draft ms | tree ms | verify ms per drafted round "
+          "| draft + tree vs base |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     def draft_tree_ms(t: dict) -> float:  # per drafted round
         return (t["draft_s"] + t["tree_s"]) * 1e3 / max(t["drafted"], 1)
 
@@ -119,11 +136,12 @@ def main():
         ratio = draft_tree_ms(t) / max(draft_tree_ms(totals[(m, base)]), 1e-9)
         t.update(tokens_per_s=t["new_tokens"] / t["total_s"], tau=t["new_tokens"] / max(t["rounds"], 1),
                  draft_tree_vs_base=ratio, **{k.replace("_s", "_ms_per_drafted_round"): v for k, v in per.items()})
-        print(f"| {m} | {r} | {t['tokens_per_s']:.1f} | {t['tau']:.2f} | {per['draft_s']:.2f} | {per['tree_s']:.2f} "
-              f"| {per['verify_s']:.2f} | {ratio:.2f}x |")
+        t["vs_ar"] = t["tokens_per_s"] / (totals[("ar", r)]["new_tokens"] / totals[("ar", r)]["total_s"])
+        print(f"| {m} | {r} | {t['tokens_per_s']:.1f} | {t['vs_ar']:.2f}× | {t['tau']:.2f} | {per['draft_s']:.2f} "
+              f"| {per['tree_s']:.2f} | {per['verify_s']:.2f} | {ratio:.2f}x |")
     if a.out:
         atomic_write_text(a.out, json.dumps({"cpu": cpu.model, "isa": cpu.isa_summary, "threads": a.threads,
-                                             "base": a.base, "totals": {"|".join(k): v for k, v in totals.items()}},
+                                             "base": a.base, "compute": {n: p.compute_label for n, p in procs.items()}, "totals": {"|".join(k): v for k, v in totals.items()}},
                                             indent=1))
 
 
