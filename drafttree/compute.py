@@ -83,11 +83,6 @@ class ComputeChoice:
         return ACTIVATION_DTYPE[self.path]
 
 
-def auto_kernel_path(cpu: CpuInfo) -> str:
-    """The kernel path `auto` takes where the kernels build: int8 on CPUs with AMX-INT8 tiles, Q4_1 elsewhere."""
-    return "int8" if cpu.int8_isa == "avx512_vnni" and cpu.has("amx_int8") else "q4"
-
-
 def choose_compute(requested: str = "auto", cpu: CpuInfo | None = None) -> ComputeChoice:
     """The path to use: `requested` if it is not "auto" (checked to work here), else the fastest here."""
     from drafttree.ops.cpu_extension import kernel_error
@@ -106,11 +101,6 @@ def choose_compute(requested: str = "auto", cpu: CpuInfo | None = None) -> Compu
         if err is not None:
             raise RuntimeError(f"the {requested} kernels are unavailable here ({err}); use --compute fp32 or bf16")
         return ComputeChoice(requested, cpu.int8_isa, f"requested: {requested} ({cpu.int8_isa} kernels)")
-    if err is None and auto_kernel_path(cpu) == "int8":
-        return ComputeChoice("int8", cpu.int8_isa, (
-            "auto: int8 weights, AMX tiles from 2 rows (a tree's verify, a prefill) and VNNI for one: on an AMX CPU the "
-            "fastest at every row count measured (Emerald Rapids, 2 threads, SmolLM2's linears: 1 / 8 / 16 rows int8 "
-            "5.9 / 6.5 / 7.4 ms, Q4_1 6.2 / 8.3 / 10.8 ms; Q4_1's per-block scales keep AMX from paying there)"))
     if err is None and cpu.int8_isa != "scalar":
         return ComputeChoice("q4", cpu.int8_isa, (
             f"auto: 4-bit Q4_1 weights with {cpu.int8_isa.replace('_', ' ').upper()} integer dot products stream "

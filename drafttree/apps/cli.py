@@ -61,7 +61,7 @@ def cmd_info(a) -> int:
     print(f"compute path: {choice.path}{' (' + choice.isa + ')' if choice.isa else ''}: {choice.reason}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ATen CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}")
-    print("override with --compute fp32|bf16|int8|q4 (DRAFTTREE_AMX=0: int8 without AMX tiles); ATEN_CPU_CAPABILITY=avx2 (or DRAFTTREE_ISA=avx2) restricts to AVX2")
+    print("override with --compute fp32|bf16|int8 (int8 uses AMX tiles where the CPU has them; DRAFTTREE_AMX=0 turns them off); ATEN_CPU_CAPABILITY=avx2 (or DRAFTTREE_ISA=avx2) restricts to AVX2")
     return 0
 
 
@@ -345,14 +345,14 @@ def _check_kernel_cache(a) -> None:
 
 def _cached_cost_model_paths(a) -> list:
     """Where methods.cost_model_path will look for the target these arguments load, without loading it or
-    building the C++ kernels (which decide between a kernel path and a float path under --compute auto): one path per
+    building the C++ kernels (which decide between q4 and a float path under --compute auto): one path per
     compute path the choice may end in; [] when that cannot be foreseen (the loader then says what is wrong)."""
     import os
     from types import SimpleNamespace
 
     import torch
 
-    from ..compute import LEGACY_DTYPES, auto_kernel_path, cpu_info
+    from ..compute import LEGACY_DTYPES, cpu_info
     from ..methods import cost_model_path
 
     threads = getattr(a, "threads", None) or int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1
@@ -361,7 +361,7 @@ def _cached_cost_model_paths(a) -> list:
         requested = LEGACY_DTYPES.get(compute_of(a), compute_of(a))
         isa = cpu_info().int8_isa
         paths = {"fp32": [("fp32", None)], "bf16": [("bf16", None)], "int8": [("int8", isa)], "q4": [("q4", isa)],
-                 "auto": [(auto_kernel_path(cpu_info()), isa), ("bf16", None), ("fp32", None)]}[requested]
+                 "auto": [("q4", isa), ("bf16", None), ("fp32", None)]}[requested]
         torch.set_num_threads(threads)  # as load_target will: the file name carries the thread count
         return [cost_model_path(SimpleNamespace(name=str(a.model), compute=SimpleNamespace(path=p, isa=i), compute_path=p))
                 for p, i in paths]
