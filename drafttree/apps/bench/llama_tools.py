@@ -26,7 +26,28 @@ def tool_dir() -> Path:
 
 
 def tool_path(name: str = TOOL) -> Path:
-    return tool_dir() / "build" / "bin" / name
+    return tool_dir() / _build_name() / "bin" / name
+
+
+def _build_name() -> str:
+    return "build-no-amx" if ggml_cpu_flags() != NATIVE else "build"
+
+
+NATIVE = ["-DGGML_NATIVE=ON"]
+# This CPU's extensions less AMX: on an Emerald Rapids (GCC 12) ggml's AMX matmul, which -march=native switches on,
+# dies with SIGILL (`tilezero`) as soon as a batch of ~16 rows reaches it — a prompt, a verify — in llama-cpp-python
+# and in llama-speculative-simple alike. AVX-512 VNNI / BF16 stay on. Also the CMAKE_ARGS for llama-cpp-python:
+# `CMAKE_ARGS="$(python -m drafttree.apps.bench.llama_tools)" pip install --force-reinstall llama-cpp-python==...`.
+NO_AMX = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
+          "-DGGML_AVX_VNNI=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON",
+          "-DGGML_AVX512_BF16=ON"]
+
+
+def ggml_cpu_flags() -> list[str]:
+    """ggml's CPU build flags for this machine: native, except on AMX CPUs (NO_AMX)."""
+    from ...compute import cpu_info
+
+    return NO_AMX if cpu_info().has("amx_int8") else NATIVE
 
 
 def _fetch_source(tmp: str, out) -> Path:
@@ -81,14 +102,14 @@ def build_tool(name: str = TOOL, jobs: int = 2) -> Path:
         _keep_converter(source)
         build = root / "build.partial"
         shutil.rmtree(build, ignore_errors=True)
-        subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+        subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", *ggml_cpu_flags(),
                         "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON",
                         "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TOOLS=OFF", "-DBUILD_SHARED_LIBS=OFF"],
                        check=True, stdout=out, stderr=subprocess.STDOUT)
         subprocess.run(["cmake", "--build", str(build), "--target", name, f"-j{jobs}"], check=True, stdout=out,
                        stderr=subprocess.STDOUT)
-        shutil.rmtree(root / "build", ignore_errors=True)
-        build.rename(root / "build")  # complete or absent: a half build is never taken for a tool
+        shutil.rmtree(root / _build_name(), ignore_errors=True)
+        build.rename(root / _build_name())  # complete or absent: a half build is never taken for a tool
     return binary
 
 
@@ -132,3 +153,7 @@ def run_speculative(binary: Path, gguf: Path, prompt: str, max_new: int, threads
     if done.returncode != 0:
         raise RuntimeError(f"{binary.name} exited with {done.returncode}: {done.stderr.strip()[-2000:]}")
     return parse_speculative_log(done.stdout + done.stderr)
+
+
+if __name__ == "__main__":
+    print(" ".join(ggml_cpu_flags()))  # CMAKE_ARGS for building llama-cpp-python the way the tool is built

@@ -239,7 +239,22 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_configure(int rows, int ta
   _tile_loadconfig(&cfg);
 }
 
-__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
+// Another library in the process may keep its own tile configuration on these (shared OpenMP) threads and load it
+// once per thread: llama.cpp's AMX backend does, and a `tilerelease` here made its next tile instruction fault
+// (SIGILL in `drafttree bench-peers`). So a call saves the thread's configuration and puts it back when done.
+__attribute__((target("amx-tile"))) void amx_save(TileConfig* saved) {
+  _tile_storeconfig(saved);
+  __asm__ volatile("" : : "r"(saved) : "memory");  // GCC's asm declares 8 of the 64 bytes written
+}
+
+__attribute__((target("amx-tile"))) void amx_restore(const TileConfig& saved) {
+  if (saved.palette == 0) {
+    _tile_release();
+    return;
+  }
+  __asm__ volatile("" : : "r"(&saved) : "memory");
+  _tile_loadconfig(&saved);
+}
 
 // acc[i][p*16 + c] for `rows` rows and np <= 4 panels (np*16 columns, the epilogue's layout).
 __attribute__((target("amx-tile,amx-int8"))) void tile_amx(const TileArgs& a, int rows, int np) {
@@ -379,6 +394,8 @@ void gemm_amx(const int8_t* xq, int64_t T, const int8_t* wp, int64_t P, int64_t 
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (panel_stride * kAmxPanels));
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     alignas(64) int32_t acc[kAmxRows * kAmxPanels * kPanel];
+    TileConfig saved;
+    amx_save(&saved);
     for (int64_t t0 = 0; t0 < T; t0 += kAmxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, T - t0));
       amx_configure(rows, static_cast<int>(Kp % kAmxK));
@@ -389,7 +406,7 @@ void gemm_amx(const int8_t* xq, int64_t T, const int8_t* wp, int64_t P, int64_t 
         epilogue_avx512(epi, acc, rows, np * kPanel, t0, p0 * kPanel, y);
       }
     }
-    amx_release();
+    amx_restore(saved);
   });
 }
 

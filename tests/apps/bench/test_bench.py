@@ -152,3 +152,19 @@ def test_llama_speculative_log_is_parsed():
     assert (run.tokens, run.seconds, run.forwards) == (128, 5.394, 60)
     with pytest.raises(ValueError, match="no decode summary"):
         parse_speculative_log("error: the model could not be loaded")
+
+
+def test_llama_cpp_builds_without_amx_only_on_amx_cpus(monkeypatch):
+    """llama.cpp's AMX matmul dies with SIGILL on an Emerald Rapids: the peer is built without it there (and its
+    binary cached apart), natively everywhere else."""
+    from drafttree.apps.bench import llama_tools
+    from drafttree.compute import CpuInfo
+
+    def cpu(*flags):
+        return CpuInfo(model="m", arch="x86_64", flags=frozenset(flags), restricted_to_avx2=False)
+
+    monkeypatch.setattr("drafttree.compute.cpu_info", lambda: cpu("avx2", "avx512f", "avx512_vnni", "amx_int8"))
+    assert "-DGGML_NATIVE=OFF" in llama_tools.ggml_cpu_flags() and "build-no-amx" in str(llama_tools.tool_path())
+    assert not any("AMX" in f for f in llama_tools.ggml_cpu_flags())
+    monkeypatch.setattr("drafttree.compute.cpu_info", lambda: cpu("avx2", "avx512f", "avx512_vnni"))
+    assert llama_tools.ggml_cpu_flags() == ["-DGGML_NATIVE=ON"] and llama_tools.tool_path().parent.parent.name == "build"
