@@ -157,9 +157,10 @@ def _systems(args, target):
     if args.model not in EMBEDDED:
         raise ValueError(f"bench-peers needs an embedded model with a GGUF ({', '.join(EMBEDDED)}), got {args.model!r}")
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp
     except ImportError:
         raise ValueError("llama.cpp is not installed: `pip install -e '.[peers]'` builds it (about 10 minutes)") from None
+    _check_llama_cpp_build(Path(llama_cpp.__file__).parent / "lib")
     gguf = find_embedded_gguf(args.model)
     systems = [LlamaCpp(gguf, args.threads)]
     systems += [LlamaCpp(gguf, args.threads, int(k)) for k in str(args.lookup).split(",") if k.strip()]
@@ -181,6 +182,20 @@ def _systems(args, target):
     for m in [m.strip() for m in args.methods.split(",") if m.strip()]:
         systems.append(Drafttree(target, m, None if m == "ar" else make_proposer(m, target, budget=args.budget)))
     return systems, gguf
+
+
+def _check_llama_cpp_build(lib: Path) -> None:
+    """On an AMX CPU, a llama-cpp-python built natively carries ggml's AMX matmul, which dies with SIGILL there
+    (llama_tools.NO_AMX): say how to rebuild it before a run is lost to the crash."""
+    from .llama_tools import LLAMA_CPP_PYTHON, NATIVE, ggml_cpu_flags
+
+    flags = ggml_cpu_flags()
+    if flags == NATIVE:
+        return
+    if any(b"ggml_backend_amx_mul_mat" in f.read_bytes() for f in lib.glob("libggml-cpu*.so*")):
+        raise ValueError(f"llama-cpp-python in {lib.parent} was built with ggml's AMX matmul, which dies with SIGILL on "
+                         "this CPU: rebuild it without (about 10 minutes): CMAKE_ARGS=\"" + " ".join(flags) + "\" "
+                         f"pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python=={LLAMA_CPP_PYTHON}")
 
 
 def run(args) -> int:

@@ -168,3 +168,16 @@ def test_llama_cpp_builds_without_amx_only_on_amx_cpus(monkeypatch):
     assert not any("AMX" in f for f in llama_tools.ggml_cpu_flags())
     monkeypatch.setattr("drafttree.compute.cpu_info", lambda: cpu("avx2", "avx512f", "avx512_vnni"))
     assert llama_tools.ggml_cpu_flags() == ["-DGGML_NATIVE=ON"] and llama_tools.tool_path().parent.parent.name == "build"
+
+
+def test_bench_peers_refuses_a_llama_cpp_with_amx_on_an_amx_cpu(monkeypatch, tmp_path):
+    from drafttree.apps.bench.peers import _check_llama_cpp_build
+    from drafttree.compute import CpuInfo
+
+    (tmp_path / "libggml-cpu.so").write_bytes(b"\0ggml_backend_amx_mul_mat\0")
+    amx = CpuInfo(model="m", arch="x86_64", flags=frozenset({"avx512_vnni", "amx_int8"}), restricted_to_avx2=False)
+    monkeypatch.setattr("drafttree.compute.cpu_info", lambda: amx)
+    with pytest.raises(ValueError, match="CMAKE_ARGS=.*GGML_NATIVE=OFF"):
+        _check_llama_cpp_build(tmp_path)
+    (tmp_path / "libggml-cpu.so").write_bytes(b"\0ggml_vec_dot_q4_1\0")
+    _check_llama_cpp_build(tmp_path)  # a build without AMX passes
