@@ -6,7 +6,8 @@ draft / tree / verify ms per drafted round of each, the ratios to the base, and 
 emit the same tokens (greedy; where the two revisions run different compute paths, each method is checked against its
 own revision's AR instead).
 
-  .venv/bin/python bench/revision_ab.py --base 8e1f94a --methods caddtree,lookup-caddtree,ddtree-b4 --limit 2 --threads 2
+  .venv/bin/python bench/revision_ab.py --base 8e1f94a --methods caddtree,lookup-caddtree,ddtree-b4 --limit 2 \
+      --threads 2
 
 (`ddtree-b4`: ddtree with a 4-node budget; a plain method name takes make_proposer's default.)
 """
@@ -40,7 +41,8 @@ def worker(tree: str, threads: int | None) -> None:
         m = req["method"]
         if m not in proposers:
             method, _, budget = m.partition("-b")  # "ddtree-b4": ddtree with a 4-node budget
-            proposers[m] = None if m == "ar" else make_proposer(method, target, drafter, **({"budget": int(budget)} if budget else {}))
+            options = {"budget": int(budget)} if budget else {}
+            proposers[m] = None if m == "ar" else make_proposer(method, target, drafter, **options)
             generate(m, target, target.encode_chat("Hello!"), 8, proposer=proposers[m])  # warm-up: one-off costs
         st = generate(m, target, target.encode_chat(req["prompt"]), req["max_new_tokens"], proposer=proposers[m])
         s = st.stats
@@ -49,15 +51,15 @@ def worker(tree: str, threads: int | None) -> None:
                           "rounds": len(s.accept_lengths)}), flush=True)
 
 
-def start_worker(tree: Path, threads: int | None) -> subprocess.Popen:
+def start_worker(tree: Path, threads: int | None) -> tuple[subprocess.Popen, str]:
+    """The worker and its target's compute label (what it printed when ready)."""
     cmd = [sys.executable, str(HERE), "--worker", str(tree)] + ([] if threads is None else ["--threads", str(threads)])
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tree,
                             env={**os.environ, "PYTHONPATH": str(tree)})
     ready = proc.stdout.readline()
     if not ready:
         raise SystemExit(f"the worker for {tree} did not start")
-    proc.compute_label = json.loads(ready)["ready"]
-    return proc
+    return proc, json.loads(ready)["ready"]
 
 
 def ask(proc: subprocess.Popen, **req) -> dict:
@@ -98,12 +100,13 @@ def main():
     cpu = cpu_info()
     print(f"CPU: {cpu.model} ({cpu.arch}); ISA: {cpu.isa_summary}; threads {a.threads}")
     revs = {"base " + a.base: base_tree(a.base), "working tree": REPO}
-    procs = {name: start_worker(tree, a.threads) for name, tree in revs.items()}
-    for name, proc in procs.items():
-        print(f"{name}: {proc.compute_label}")
+    started = {name: start_worker(tree, a.threads) for name, tree in revs.items()}
+    procs, labels = {n: p for n, (p, _) in started.items()}, {n: label for n, (_, label) in started.items()}
+    for name, label in labels.items():
+        print(f"{name}: {label}")
     # Revisions on one compute path must emit the same tokens; on different paths (auto chose another) each
     # method is held to its own revision's AR instead (greedy: every method equals AR on the same weights).
-    same_path = len({p.compute_label for p in procs.values()}) == 1
+    same_path = len(set(labels.values())) == 1
     methods = ["ar"] + [m for m in a.methods.split(",") if m != "ar"]
     prompts = [p for ds in a.datasets.split(",") for p in load_prompts(ds, a.limit)]
     keys = ("new_tokens", "total_s", "draft_s", "tree_s", "verify_s", "drafted", "rounds")
@@ -141,7 +144,8 @@ def main():
               f"| {per['tree_s']:.2f} | {per['verify_s']:.2f} | {ratio:.2f}x |")
     if a.out:
         atomic_write_text(a.out, json.dumps({"cpu": cpu.model, "isa": cpu.isa_summary, "threads": a.threads,
-                                             "base": a.base, "compute": {n: p.compute_label for n, p in procs.items()}, "totals": {"|".join(k): v for k, v in totals.items()}},
+                                             "base": a.base, "compute": labels,
+                                             "totals": {"|".join(k): v for k, v in totals.items()}},
                                             indent=1))
 
 

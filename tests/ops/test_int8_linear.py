@@ -17,11 +17,15 @@ def amx(request):
 
     ext = extension()
     want = int(request.param == "amx-tiles")
+    if want and request.node.callspec.params.get("isa") != "avx512_vnni":
+        pytest.skip("AMX tiles serve the avx512_vnni path only")
     if ext.amx_mode(want) != want:
         ext.amx_mode(-1)
         pytest.skip("no AMX tiles on this CPU")
     yield request.param
     ext.amx_mode(-1)
+
+
 # (rows, K, N); the last two are weights of >= 2 MiB, which AVX-512 VNNI streams one panel at a time
 # (16-row tiles: 17 rows leave a 1-row tile, N = 3650 a partial last panel)
 # (AMX: K = 100 and 13 leave a tail below 64 bytes, 130 and 17 rows a partial row group, 1539 a partial panel group)

@@ -193,9 +193,10 @@ def _check_llama_cpp_build(lib: Path) -> None:
     if flags == NATIVE:
         return
     if any(b"ggml_backend_amx_mul_mat" in f.read_bytes() for f in lib.glob("libggml-cpu*.so*")):
-        raise ValueError(f"llama-cpp-python in {lib.parent} was built with ggml's AMX matmul, which dies with SIGILL on "
-                         "this CPU: rebuild it without (about 10 minutes): CMAKE_ARGS=\"" + " ".join(flags) + "\" "
-                         f"pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python=={LLAMA_CPP_PYTHON}")
+        rebuild = (f'CMAKE_ARGS="{" ".join(flags)}" pip install --force-reinstall --no-deps --no-cache-dir '
+                   f"llama-cpp-python=={LLAMA_CPP_PYTHON}")
+        raise ValueError(f"llama-cpp-python in {lib.parent} carries ggml's AMX matmul, which dies with SIGILL on "
+                         f"this CPU: rebuild it without (about 10 minutes): {rebuild}")
 
 
 def run(args) -> int:

@@ -256,32 +256,30 @@ __attribute__((target("amx-tile"))) void amx_restore(const TileConfig& saved) {
   _tile_loadconfig(&saved);
 }
 
+// One K step at byte k: the inputs into tile A, each panel's weights into tile B, C0..C(np-1) += A x B. Tile
+// numbers are immediates spelled into the instruction (the intrinsics stringify them), so a macro, not a template.
+#define DRAFTTREE_AMX_STEP(A, B, k)                                                              \
+  do {                                                                                           \
+    const int8_t* w_ = a.w + (k) * kPanel;                                                       \
+    _tile_loadd(A, a.x + (k), a.Kp);                                                             \
+    _tile_loadd(B, w_, 64); _tile_dpbusd(0, A, B);                                               \
+    if (np > 1) { _tile_loadd(B, w_ + a.panel_stride, 64); _tile_dpbusd(1, A, B); }             \
+    if (np > 2) { _tile_loadd(B, w_ + 2 * a.panel_stride, 64); _tile_dpbusd(2, A, B); }         \
+    if (np > 3) { _tile_loadd(B, w_ + 3 * a.panel_stride, 64); _tile_dpbusd(3, A, B); }         \
+  } while (0)
+
 // acc[i][p*16 + c] for `rows` rows and np <= 4 panels (np*16 columns, the epilogue's layout).
 __attribute__((target("amx-tile,amx-int8"))) void tile_amx(const TileArgs& a, int rows, int np) {
   const int64_t cols = np * kPanel, full = a.Kp / kAmxK * kAmxK;
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  // Tile numbers are immediates: one statement per panel.
-  for (int64_t k = 0; k < full; k += kAmxK) {
-    const int8_t* w = a.w + k * kPanel;
-    _tile_loadd(4, a.x + k, a.Kp);
-    _tile_loadd(5, w, 64); _tile_dpbusd(0, 4, 5);
-    if (np > 1) { _tile_loadd(5, w + a.panel_stride, 64); _tile_dpbusd(1, 4, 5); }
-    if (np > 2) { _tile_loadd(5, w + 2 * a.panel_stride, 64); _tile_dpbusd(2, 4, 5); }
-    if (np > 3) { _tile_loadd(5, w + 3 * a.panel_stride, 64); _tile_dpbusd(3, 4, 5); }
-  }
-  if (full < a.Kp) {
-    const int8_t* w = a.w + full * kPanel;
-    _tile_loadd(6, a.x + full, a.Kp);
-    _tile_loadd(7, w, 64); _tile_dpbusd(0, 6, 7);
-    if (np > 1) { _tile_loadd(7, w + a.panel_stride, 64); _tile_dpbusd(1, 6, 7); }
-    if (np > 2) { _tile_loadd(7, w + 2 * a.panel_stride, 64); _tile_dpbusd(2, 6, 7); }
-    if (np > 3) { _tile_loadd(7, w + 3 * a.panel_stride, 64); _tile_dpbusd(3, 6, 7); }
-  }
+  for (int64_t k = 0; k < full; k += kAmxK) DRAFTTREE_AMX_STEP(4, 5, k);
+  if (full < a.Kp) DRAFTTREE_AMX_STEP(6, 7, full);  // the K tail (Kp % 64 bytes) has tiles of its own shape
   _tile_stored(0, a.acc, cols * 4);
   if (np > 1) _tile_stored(1, a.acc + kPanel, cols * 4);
   if (np > 2) _tile_stored(2, a.acc + 2 * kPanel, cols * 4);
   if (np > 3) _tile_stored(3, a.acc + 3 * kPanel, cols * 4);
 }
+#undef DRAFTTREE_AMX_STEP
 
 using TileFn = void (*)(const TileArgs&);
 
@@ -414,16 +412,16 @@ template <typename out_t>
 void gemm(const int8_t* xq, const float* sx, int64_t T, const int8_t* wp, const float* sw, const int32_t* wsum,
           const float* bias, int64_t N, int64_t Kp, int64_t isa, out_t* y) {
   const int64_t P = (N + kPanel - 1) / kPanel, panel_stride = Kp * kPanel;
+  const Epilogue epi{sx, sw, bias, wsum, isa == kAvx512Vnni, N};
   if constexpr (std::is_same_v<out_t, float>) {
     if (isa == kAvx512Vnni && T >= kAmxMinRows && amx_on()) {
-      gemm_amx(xq, T, wp, P, Kp, Epilogue{sx, sw, bias, wsum, true, N}, y);
+      gemm_amx(xq, T, wp, P, Kp, epi, y);
       return;
     }
   }
   const bool stream = isa == kAvx512Vnni && T >= 2 && N * Kp >= VnniStreamTiles::kMinBytes;
   const int max_np = isa == kAvx2 ? 1 : stream ? VnniStreamTiles::kNP : 4;
   const int max_tt = stream ? VnniStreamTiles::kTT : 4;
-  const Epilogue epi{sx, sw, bias, wsum, isa == kAvx512Vnni, N};
   // Enough weight bytes per task that waking a second thread pays (~64 KiB).
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / panel_stride);
   at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
