@@ -50,6 +50,7 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype | No
     from .compute import choose_compute
     from .model.gguf_blocks import q4_1_blocks
     from .model.linear import quantize_target
+    from .model.smoothing import calibration_tokens, smooth_for_int8
     from .model.weights import read_safetensors_dir
 
     torch.set_num_threads(threads or int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)
@@ -78,10 +79,13 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype | No
     if hf_config.model_type not in builders:
         raise ValueError(f"unsupported architecture {hf_config.model_type!r}: supported are {sorted(builders)}")
     model = builders[hf_config.model_type](hf_config, read_safetensors_dir(path), torch_dtype)
-    if choice.path in ("int8", "q4"):
-        q4 = choice.path == "q4" and (q4_1_blocks(find_embedded_gguf(name_or_path)) if name_or_path in EMBEDDED else True)
-        quantize_target(model, choice.isa, q4)
     tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer_config.json").exists() else None
+    if choice.path == "int8":  # per-row int8 activations: smooth their outlier channels into the weights first
+        smooth_for_int8(model, calibration_tokens(tokenizer, hf_config.vocab_size))
+    if choice.path in ("int8", "q4"):
+        q4 = choice.path == "q4" and (q4_1_blocks(find_embedded_gguf(name_or_path)) if name_or_path in EMBEDDED
+                                      else True)
+        quantize_target(model, choice.isa, q4)
     return Target(model=model, tokenizer=tokenizer, name=str(name_or_path), compute=choice)
 
 

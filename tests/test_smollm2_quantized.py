@@ -44,7 +44,10 @@ def test_quantized_path_stays_close_to_the_dequantized_model(smollm2, smollm2_in
     with capsys.disabled():
         print(f"\n{smollm2_int8.compute_label} vs fp32 (dequantized GGUF), {n} reply tokens: top-1 agreement {agree / n:.4f}, "
               f"mean KL {kl / n:.5f} nats")
-    assert agree / n >= 0.9 and kl / n <= 0.1
+    # measured (AVX-512 VNNI, Emerald Rapids): q4 97.3 % / 0.0056, int8 with its activation smoothing 95.2 % / 0.013
+    # (93.4 % / 0.029 without it)
+    floor, ceiling = {"q4": (0.96, 0.01), "int8": (0.94, 0.02)}[smollm2_int8.compute.path]
+    assert agree / n >= floor and kl / n <= ceiling
 
 
 @pytest.mark.parametrize("make_policy", [ChainPolicy, lambda: BestFirstPolicy(16),
