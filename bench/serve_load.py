@@ -18,6 +18,12 @@ sends several tokens at once), time per output token per request ((last − firs
 all as p50/p90/p99/max; failures (HTTP errors, error events, broken streams); replies that differ from
 offline; the server's RSS after start-up, after a warm-up burst (one request per client) and after the
 load (idle again): the check is `after` within 10% of `warm`. JSON and markdown go to --out (docs/serve).
+
+`--peer llama.cpp` runs the same load against llama.cpp's `llama-server` instead (built once from the vendored
+source of the pinned llama-cpp-python sdist, drafttree.apps.bench.llama_tools; the embedded model's own GGUF file;
+`--parallel` slots = --max-concurrency, continuous batching, the same threads); `--peer llama.cpp-ngram-mod-m12-d16`
+with its n-gram speculative decoding. Its replies come from other arithmetic, so they are compared with drafttree's
+offline replies for information only (reported as agreement, not failed on); τ comes from its draft counters.
 """
 from __future__ import annotations
 
@@ -146,6 +152,25 @@ def start_server(a, log_path: Path) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
+PEERS = ("llama.cpp", "llama.cpp-ngram-mod", "llama.cpp-ngram-mod-m12-d16")
+PEER_CONTEXT = 1024  # tokens per slot: a GSM8K prompt in the chat template (< 300) and its reply
+
+
+def start_peer(a, log_path: Path) -> tuple[subprocess.Popen, str]:
+    """llama.cpp's server on the embedded model's GGUF file, one slot per concurrent request."""
+    from drafttree.apps.bench.llama_tools import build_tool
+    from drafttree.apps.bench.peers import NGRAM_MOD
+    from drafttree.gguf_convert import find_embedded_gguf
+
+    gguf = Path(a.model) if Path(a.model).is_file() else find_embedded_gguf(a.model)
+    port, threads = free_port(), str(a.threads or os.cpu_count())
+    cmd = [str(build_tool("llama-server")), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+           "-t", threads, "-tb", threads, "-np", str(a.max_concurrency), "-c", str(a.max_concurrency * PEER_CONTEXT),
+           "--no-webui", *NGRAM_MOD.get(a.peer, [])]
+    log = log_path.open("w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
+
+
 def wait_healthy(base: str, proc: subprocess.Popen | None, log_path: Path | None, timeout: float = 900) -> dict:
     deadline = time.monotonic() + timeout
     while True:
@@ -196,6 +221,8 @@ def stream_request(base: str, model: str, method: str, prompt: str, max_tokens: 
             if "error" in event:
                 out["error"] = f"error event: {event['error'].get('message')}"
                 return out
+            if event.get("timings"):  # llama-server: its draft counters, for τ
+                out["timings"] = event["timings"]
             if event.get("usage") and not event.get("choices"):
                 out["tokens"] = event["usage"]["completion_tokens"]
                 continue
@@ -216,6 +243,13 @@ def stream_request(base: str, model: str, method: str, prompt: str, max_tokens: 
         out["wall_s"] = time.perf_counter() - t0
         conn.close()
     return out
+
+
+def peer_tau(timings: dict, tokens: int) -> float:
+    """Tokens per target forward of a llama-server reply: each forward after the prompt's verifies a draft (or
+    none) and keeps its accepted tokens and one more; the prompt's forward gives the first token."""
+    accepted = timings.get("draft_n_accepted", 0)
+    return (tokens - 1) / max(1, tokens - 1 - accepted)
 
 
 def percentiles(values: list[float], scale: float = 1000.0) -> dict:
@@ -270,6 +304,7 @@ def run_load(base: str, a, prompts: list[str], wants: list[str], lengths: list[i
             if r["chunk_times"] and r["tokens"] and r["tokens"] > 1]
     tokens = sum(r["tokens"] or 0 for r in ok)
     taus = [r["stats"]["tau"] for r in ok if r.get("stats") and "tau" in r["stats"]]
+    taus += [peer_tau(r["timings"], r["tokens"]) for r in ok if r.get("timings") and r["tokens"]]
     failures = [r["error"] for r in results if not r["ok"]]
     mismatches = [r["prompt"] for r in results if r["ok"] and not r["equal"]]
     return {
@@ -317,21 +352,26 @@ def markdown(r: dict) -> str:
         return f"| {name} | {p.get('p50', '-')} | {p.get('p90', '-')} | {p.get('p99', '-')} | {p.get('max', '-')} |"
 
     rss = r["rss"]
+    compute = (f"llama.cpp's kernels on the GGUF file (drafttree's offline replies: {r['compute']})" if s.get("peer")
+               else f"compute {r['compute']}")
     lines = [
-        f"# drafttree serve: {s['clients']} clients × {s['requests']} requests", "",
+        f"# {s.get('peer') or 'drafttree serve'}: {s['clients']} clients × {s['requests']} requests", "",
         f"{r['date']}, commit {r['commit']}. Machine: {m['cpu']} ({m['arch']}), {m['cores']} cores, ISA {m['isa']}, "
         f"1-minute load average {m['load_average_1min_at_start']} when the bench started. "
-        f"Model {s['model']}, compute {r['compute']}, method `{s['method']}`, max_tokens {s['max_tokens']}, "
+        f"Model {s['model']}, {compute}, method `{s.get('peer') or s['method']}`, max_tokens {s['max_tokens']}, "
         f"temperature 0, `--max-concurrency {s['max_concurrency']}`, threads {s['threads'] or 'all'}. "
         f"Prompts: {r['prompts']}. Server: {r['server']}.", "",
         "| result | value |", "|---|---|",
         f"| requests (ok / failed) | {L['requests']} ({L['ok']} / {L['failures']}) |",
-        f"| every reply equal to offline greedy | {'yes' if L['all_equal_offline'] else 'NO'}"
-        f" ({L['mismatches']} mismatches) |",
+        (f"| replies equal to drafttree's offline greedy (information: llama.cpp's own arithmetic) | "
+         f"{L['ok'] - L['mismatches']} of {L['ok']} |" if s.get("peer") else
+         f"| every reply equal to offline greedy | {'yes' if L['all_equal_offline'] else 'NO'}"
+         f" ({L['mismatches']} mismatches) |"),
         f"| throughput | {L['tokens_per_s']} tokens/s, {L['requests_per_s']} requests/s "
         f"({L['completion_tokens']} tokens in {L['wall_s']} s) |",
-        f"| offline, one request at a time | {r['offline_tokens_per_s']} tokens/s |",
-        f"| mean τ (server's round statistics) | {L['tau_mean']} |",
+        f"| drafttree offline, one request at a time | {r['offline_tokens_per_s']} tokens/s |",
+        f"| mean τ (server's round statistics{'; llama.cpp: from its draft counters' if s.get('peer') else ''}) | "
+        f"{L['tau_mean']} |",
         f"| peak active / waiting / state | {L['peak_active']} / {L['peak_waiting']} / {mib(L['peak_state_bytes'])} |",
         f"| server RSS: start-up / after warm-up / after the load | {mib(rss['start'])} / {mib(rss['warm'])} / "
         f"{mib(rss['after'])} |",
@@ -366,6 +406,8 @@ def main(argv=None) -> int:
     p.add_argument("--server-pid", type=int, default=None, help="with --url: the server's pid, for its RSS")
     p.add_argument("--api-key", default=None, help="with --url: the server's API key")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--peer", choices=PEERS, default=None,
+                   help="run the load against llama.cpp's llama-server (optionally with its ngram-mod speculation)")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "serve")
     a = p.parse_args(argv)
     for name, top in LIMITS.items():
@@ -381,7 +423,10 @@ def main(argv=None) -> int:
     proc, log_path = None, tmp / "server.log"
     print(f"serve_load: offline greedy replies of {len(questions)} prompts ({a.method}) ...", file=sys.stderr)
     wants, lengths, info = offline_replies(a, questions)  # first, alone: its tokens/s is a clean reference
-    if a.url is None:
+    if a.peer is not None:
+        proc, base = start_peer(a, log_path)
+        server = f"{a.peer}: llama.cpp's llama-server started by the bench ({' '.join(proc.args[3:])})"
+    elif a.url is None:
         proc, base = start_server(a, log_path)
         server = "started by the bench (a `drafttree serve` subprocess)"
     else:
@@ -413,19 +458,21 @@ def main(argv=None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
         "machine": report_machine, "compute": info["compute"], "offline_tokens_per_s": info["offline_tokens_per_s"],
         "settings": {k: getattr(a, k) for k in ("clients", "requests", "max_tokens", "method", "max_concurrency",
-                                                 "model", "threads", "budget")},
+                                                 "model", "threads", "budget", "peer")},
         "prompts": prompt_source, "server": server,
         "warm_up": {k: warm_load[k] for k in ("requests", "failures", "mismatches", "wall_s")},
         "load": load, "health_after": health,
         "rss": {"start": rss_start, "warm": rss_warm, "after": rss_after, "within_10_percent": within},
     }
     a.out.mkdir(parents=True, exist_ok=True)
-    stem = f"load-{a.clients}x{a.requests}-{a.method}"
+    stem = f"load-{a.clients}x{a.requests}-{a.peer or a.method}"
     atomic_write_text(a.out / f"{stem}.json", json.dumps(report, indent=2) + "\n")
     atomic_write_text(a.out / f"{stem}.md", markdown(report))
     print(markdown(report))
     print(f"serve_load: wrote {a.out / stem}.json and .md", file=sys.stderr)
-    ok = load["all_equal_offline"] and warm_load["all_equal_offline"] and within is not False
+    # the peer's replies come from other arithmetic: compared for information only
+    exact = a.peer is not None or (load["all_equal_offline"] and warm_load["all_equal_offline"])
+    ok = exact and load["failures"] == 0 and warm_load["failures"] == 0 and within is not False
     return 0 if ok else 1
 
 
@@ -433,6 +480,8 @@ def wait_idle(base: str, timeout: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         h = get(base, "/health")[1]
+        if "active" not in h:  # llama-server: no counters to wait on
+            return h
         if (h.get("active"), h.get("waiting"), h.get("state_bytes")) == (0, 0, 0) or time.monotonic() > deadline:
             return h
         time.sleep(0.1)

@@ -85,7 +85,11 @@ def converter_script() -> Path:
 
 
 def build_tool(name: str = TOOL, jobs: int = 2) -> Path:
-    """The tool's binary, built now unless it is cached; a failed build leaves nothing behind but its log."""
+    """The tool's binary (`llama-speculative-simple`, `llama-server`, ...), built now unless it is cached.
+
+    The vendored source is kept in the cache and all tools build in one tree beside it (ggml once); a tool is taken
+    as built only when its binary exists, which the linker writes last, so a failed build leaves the tools already
+    built and its log, nothing that passes for a tool."""
     binary = tool_path(name)
     if binary.exists():
         return binary
@@ -94,23 +98,47 @@ def build_tool(name: str = TOOL, jobs: int = 2) -> Path:
             raise RuntimeError(f"building llama.cpp's {name} needs {program} on PATH (Debian: apt install cmake g++)")
     root = tool_dir()
     root.mkdir(parents=True, exist_ok=True)
-    log = root / "build.log"
+    log = root / f"build-{name}.log"
     print(f"drafttree: building llama.cpp's {name} from llama-cpp-python {LLAMA_CPP_PYTHON}'s sdist into {root} "
           f"(once, about ten minutes; log: {log})", file=sys.stderr)
-    with tempfile.TemporaryDirectory(dir=root) as tmp, open(log, "w") as out:
-        source = _fetch_source(tmp, out)
-        _keep_converter(source)
-        build = root / "build.partial"
-        shutil.rmtree(build, ignore_errors=True)
+    build = root / _build_name()
+    with open(log, "w") as out:
+        source = _kept_source(root, out)
+        if _configured_source(build) != source:  # a tree from an older layout, configured from a deleted source
+            shutil.rmtree(build, ignore_errors=True)
         subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", *ggml_cpu_flags(),
-                        "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON",
-                        "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TOOLS=OFF", "-DBUILD_SHARED_LIBS=OFF"],
-                       check=True, stdout=out, stderr=subprocess.STDOUT)
+                        "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                        "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
+                        "-DBUILD_SHARED_LIBS=OFF"], check=True, stdout=out, stderr=subprocess.STDOUT)
         subprocess.run(["cmake", "--build", str(build), "--target", name, f"-j{jobs}"], check=True, stdout=out,
                        stderr=subprocess.STDOUT)
-        shutil.rmtree(root / _build_name(), ignore_errors=True)
-        build.rename(root / _build_name())  # complete or absent: a half build is never taken for a tool
+    if not binary.exists():
+        raise RuntimeError(f"llama.cpp's build finished without {binary}; see {log}")
     return binary
+
+
+def _kept_source(root: Path, out) -> Path:
+    """The sdist's llama.cpp tree, unpacked once into the cache (complete or absent); the converter kept beside it."""
+    source = root / "source"
+    if not source.is_dir():
+        partial = root / "source.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            unpacked = _fetch_source(tmp, out)
+            _keep_converter(unpacked)
+            shutil.copytree(unpacked, partial)
+        partial.rename(source)
+    return source
+
+
+def _configured_source(build: Path) -> Path | None:
+    cache = build / "CMakeCache.txt"
+    if not cache.exists():
+        return None
+    for line in cache.read_text(errors="replace").splitlines():
+        if line.startswith("CMAKE_HOME_DIRECTORY:"):
+            return Path(line.split("=", 1)[1])
+    return None
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,38 @@ def test_llama_cpp_builds_without_amx_only_on_amx_cpus(monkeypatch):
     assert llama_tools.ggml_cpu_flags() == ["-DGGML_NATIVE=ON"] and llama_tools.tool_path().parent.parent.name == "build"
 
 
+def test_llama_cpp_tools_share_one_build_tree(monkeypatch, tmp_path):
+    """A second tool (llama-server after llama-speculative-simple) is one more target in the cached tree; a tree
+    configured from another source (an older cache layout) is rebuilt; no binary after the build is an error."""
+    from drafttree.apps.bench import llama_tools
+
+    monkeypatch.setattr(llama_tools, "tool_dir", lambda: tmp_path)
+    monkeypatch.setattr(llama_tools, "ggml_cpu_flags", lambda: llama_tools.NATIVE)
+    (tmp_path / "source").mkdir()
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "CMakeCache.txt").write_text(f"CMAKE_HOME_DIRECTORY:INTERNAL={tmp_path / 'source'}\n")
+    (build / "kept.o").write_text("")
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        if "--build" in cmd:
+            (build / "bin").mkdir(parents=True, exist_ok=True)
+            (build / "bin" / cmd[cmd.index("--target") + 1]).write_text("")
+
+    monkeypatch.setattr(llama_tools.subprocess, "run", run)
+    assert llama_tools.build_tool("llama-server") == build / "bin" / "llama-server"
+    assert (build / "kept.o").exists() and "-DLLAMA_BUILD_SERVER=ON" in calls[0]
+    assert llama_tools.build_tool("llama-server") == build / "bin" / "llama-server" and len(calls) == 2  # cached
+    (build / "CMakeCache.txt").write_text("CMAKE_HOME_DIRECTORY:INTERNAL=/gone/tmp/llama.cpp\n")
+    llama_tools.build_tool("llama-speculative-simple")
+    assert not (build / "kept.o").exists()
+    monkeypatch.setattr(llama_tools.subprocess, "run", lambda cmd, **kw: None)
+    with pytest.raises(RuntimeError, match="without"):
+        llama_tools.build_tool("llama-bench")
+
+
 def test_bench_peers_refuses_a_llama_cpp_with_amx_on_an_amx_cpu(monkeypatch, tmp_path):
     from drafttree.apps.bench.peers import _check_llama_cpp_build
     from drafttree.compute import CpuInfo

@@ -63,3 +63,32 @@ def test_refuses_remote_urls_and_oversized_loads(serve_load):
         with pytest.raises(SystemExit) as e:
             serve_load.main(argv)
         assert e.value.code == 2
+
+
+def test_the_llama_cpp_peer_parts(serve_load, tmp_path, monkeypatch):
+    """--peer: τ from llama-server's draft counters, its replies compared for information only, its command."""
+    assert serve_load.peer_tau({"draft_n": 30, "draft_n_accepted": 21}, 64) == pytest.approx(63 / 42)
+    assert serve_load.peer_tau({}, 64) == 1.0  # no speculation: one token a forward
+    load = {"requests": 3, "ok": 3, "failures": 0, "failure_examples": [], "mismatches": 1, "all_equal_offline": False,
+            "tokens_per_s": 9.0, "requests_per_s": 1.0, "completion_tokens": 18, "wall_s": 2.0, "tau_mean": 1.5,
+            "peak_active": None, "peak_waiting": None, "peak_state_bytes": None,
+            "ttft_ms": {"n": 0}, "inter_chunk_ms": {"n": 0}, "tpot_ms": {"n": 0}}
+    report = {"date": "d", "commit": "c", "machine": {**serve_load.machine(), "load_average_1min_at_start": 0.1},
+              "compute": "q4 (avx2)", "offline_tokens_per_s": 1.0, "prompts": "p", "server": "s", "load": load,
+              "settings": {"clients": 3, "requests": 1, "max_tokens": 6, "method": "ar", "max_concurrency": 3,
+                           "model": "fake", "threads": 2, "budget": 16, "peer": "llama.cpp-ngram-mod-m12-d16"},
+              "rss": {"start": None, "warm": None, "after": None, "within_10_percent": None}}
+    md = serve_load.markdown(report)
+    assert md.startswith("# llama.cpp-ngram-mod-m12-d16: 3 clients") and "| 2 of 3 |" in md
+    assert "method `llama.cpp-ngram-mod-m12-d16`" in md
+
+    import drafttree.apps.bench.llama_tools as llama_tools
+    monkeypatch.setattr(llama_tools, "build_tool", lambda name: tmp_path / name)
+    monkeypatch.setattr(serve_load.subprocess, "Popen", lambda cmd, **kw: argparse.Namespace(args=cmd))
+    a = argparse.Namespace(model="smollm2-135m-instruct", threads=2, max_concurrency=8,
+                           peer="llama.cpp-ngram-mod-m12-d16")
+    proc, base = serve_load.start_peer(a, tmp_path / "log")
+    cmd = proc.args
+    assert cmd[0] == str(tmp_path / "llama-server") and cmd[cmd.index("-np") + 1] == "8"
+    assert cmd[cmd.index("-c") + 1] == str(8 * serve_load.PEER_CONTEXT) and "ngram-mod" in cmd
+    assert base.startswith("http://127.0.0.1:")
