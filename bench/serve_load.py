@@ -316,9 +316,9 @@ def run_load(base: str, a, prompts: list[str], wants: list[str], lengths: list[i
         "tokens_per_s": round(tokens / wall, 2), "requests_per_s": round(len(ok) / wall, 3),
         "ttft_ms": percentiles(ttft), "inter_chunk_ms": percentiles(gaps), "tpot_ms": percentiles(tpot),
         "tau_mean": round(statistics.fmean(taus), 3) if taus else None,
-        "peak_active": max((h.get("active", 0) for h in health_samples), default=None),
-        "peak_waiting": max((h.get("waiting", 0) for h in health_samples), default=None),
-        "peak_state_bytes": max((h.get("state_bytes", 0) for h in health_samples), default=None),
+        # (llama-server's /health has no such counters: None)
+        **{f"peak_{key}": max((h[key] for h in health_samples if key in h), default=None)
+           for key in ("active", "waiting", "state_bytes")},
     }
 
 
@@ -470,9 +470,9 @@ def main(argv=None) -> int:
     atomic_write_text(a.out / f"{stem}.md", markdown(report))
     print(markdown(report))
     print(f"serve_load: wrote {a.out / stem}.json and .md", file=sys.stderr)
-    # the peer's replies come from other arithmetic: compared for information only
+    # the peer's replies come from other arithmetic, and its prompt cache grows with the load: both for information
     exact = a.peer is not None or (load["all_equal_offline"] and warm_load["all_equal_offline"])
-    ok = exact and load["failures"] == 0 and warm_load["failures"] == 0 and within is not False
+    ok = exact and load["failures"] == 0 and warm_load["failures"] == 0 and (a.peer is not None or within is not False)
     return 0 if ok else 1
 
 
