@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 
@@ -45,6 +45,9 @@ def walk_tree(tree: DraftTree, logits: TreeLogits, sampling: SamplingParams, gen
     if sampling.greedy:
         return accept_greedy(tree, lambda i: int(logits(i).argmax()))
     return accept_sampling(tree, lambda i: sampling_probs(logits(i), sampling), gen)
+
+
+NOT_DRAFTED = object()  # _begin_round drafts itself
 
 
 class Sequence:
@@ -131,8 +134,9 @@ class Sequence:
         self.stats.verify_s += time.perf_counter() - t0
         return [int(next_token(logits, self.sampling, self.gen))]
 
-    def _begin_round(self) -> tuple[VerifyInput, DraftTree | None]:
-        """Draft a tree (AR: the root alone) and lay it out for the verify forward."""
+    def _begin_round(self, drafted: object = NOT_DRAFTED) -> tuple[VerifyInput, DraftTree | None]:
+        """Draft a tree (AR: the root alone) and lay it out for the verify forward; `drafted`: the round's draft
+        when step_many made it together with other requests'."""
         state, root = self._target_state(), self.root
         start = state.length
         if self.proposer is None:
@@ -140,8 +144,9 @@ class Sequence:
                                torch.ones(1, 1, dtype=torch.bool)), None
         assert root is not None  # rounds come after the prefill, which emits the first root
         proposer, stats = self.proposer, self.stats
-        with stats.timed("draft_s"):
-            drafted = proposer.draft(self.draft_state, root, start)
+        if drafted is NOT_DRAFTED:
+            with stats.timed("draft_s"):
+                drafted = proposer.draft(self.draft_state, root, start)
         with stats.timed("tree_s"):
             tree = proposer.build_tree(self.draft_state, root, drafted, start)
             # nodes whose tokens could not be kept (past max_new_tokens) or stored (past the state) are not verified
@@ -201,14 +206,18 @@ def step_many(seqs: list[Sequence]) -> list[list[int] | Exception]:
     (TargetModel.verify_many: on the batch-invariant paths, each row's result is what it is alone).
     Per sequence: the tokens it emitted, or the exception its round raised (the others go on)."""
     out: list = [None] * len(seqs)
-    begun: list[tuple[int, Sequence, VerifyInput, DraftTree | None]] = []
+    rounds: list[tuple[int, Sequence]] = []
     for i, seq in enumerate(seqs):
         if not isinstance(seq, Sequence) or seq.done or seq.root is None:  # finished, its prefill, or not ours: alone
             out[i] = _attempt(seq.step)
-            continue
-        seq._step_t0 = time.perf_counter()
+        else:
+            rounds.append((i, seq))
+    drafts = _draft_together([seq for _, seq in rounds])
+    begun: list[tuple[int, Sequence, VerifyInput, DraftTree | None]] = []
+    for (i, seq), drafted in zip(rounds, drafts):
+        seq._step_t0 = time.perf_counter() - drafted[1]  # a draft made together counts for each of its sequences
         try:
-            begun.append((i, seq, *seq._begin_round()))
+            begun.append((i, seq, *seq._begin_round(drafted[0])))
         except Exception as e:
             out[i] = e
         seq._busy += time.perf_counter() - seq._step_t0
@@ -234,6 +243,37 @@ def step_many(seqs: list[Sequence]) -> list[list[int] | Exception]:
         except Exception as e:
             seq._busy += time.perf_counter() - seq._step_t0
             out[i] = e
+    return out
+
+
+def _draft_together(seqs: list[Sequence]) -> list[tuple[object, float]]:
+    """Per sequence (a round about to begin): its draft and the seconds it took, made with the other sequences of the
+    same proposer in one Proposer.draft_many call where the proposer shares work across requests (batch_drafts);
+    (NOT_DRAFTED, 0) where it drafts itself in _begin_round (AR, alone with its proposer, or a proposer that would
+    draft one by one anyway). A draft_many that fails leaves each sequence to draft alone (and fail alone)."""
+    out: list[tuple[object, float]] = [(NOT_DRAFTED, 0.0)] * len(seqs)
+    groups: dict[int, list[int]] = {}
+    for k, seq in enumerate(seqs):
+        if seq.proposer is not None and seq.proposer.batch_drafts:
+            groups.setdefault(id(seq.proposer), []).append(k)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        group = [seqs[k] for k in members]
+        proposer = group[0].proposer
+        assert proposer is not None
+        for seq in group:  # the proposer's clocks (gate, recalibration) read each request's own time
+            seq._step_t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        try:
+            drafted = proposer.draft_many([seq.draft_state for seq in group], [cast(int, seq.root) for seq in group],
+                                          [seq._target_state().length for seq in group])
+        except Exception:
+            continue
+        shared = time.perf_counter() - t0
+        for k, seq, d in zip(members, group, drafted):
+            seq.stats.draft_s += shared
+            out[k] = (d, shared)
     return out
 
 

@@ -14,10 +14,10 @@ import torch.nn as nn
 from .costmodel import VerifyCostModel
 from .policies import CaddSelection, build_best_first_tree, build_caddtree
 from .draft_gate import DraftGate, Gate, GateMemory
-from .drafter.model import DraftContext
+from .drafter.model import BlockRows, DraftContext
 from .marginals import FIRST_CHUNK, FOLLOW_FIRST_CHUNK, LazyDraftScores, Scores, dense_logits, log_marginals
 from .model.linear import head_rows_source
-from .protocols import Clock, TargetModel, TreePolicy
+from .protocols import Clock, Proposer, TargetModel, TreePolicy
 from .recalibrate import RoundCalibrator
 from .tree import DraftTree, build_chain_tree
 
@@ -154,6 +154,16 @@ class CostAwarePolicy:
             state.last_round = None
 
 
+class DraftsOneByOne:
+    """`Proposer.draft_many` for proposers whose drafts share nothing across requests: one after another."""
+
+    batch_drafts = False
+
+    def draft_many(self, states: list, roots: list[int], starts: list[int]) -> list:
+        proposer = cast(Proposer, self)  # the proposer class this is mixed into
+        return [proposer.draft(state, root, start) for state, root, start in zip(states, roots, starts)]
+
+
 @dataclass(frozen=True)
 class RoundPlan:
     """What a DFlash round does, decided once at its start (`draft`, or `skip_drafter` when a lookup tree
@@ -187,6 +197,8 @@ class DFlashProposer:
 
     With `gate`, each request also measures plain one-token rounds and drafts only while drafting is
     the faster choice (drafttree.draft_gate); the drafter catches up on the skipped tokens in one call."""
+
+    batch_drafts = True  # the drafter's forward takes several requests' blocks (draft_many)
 
     def __init__(self, drafter, target_model: TargetModel, policy: TreePolicy, gate: bool = False,
                  lazy_rows: bool = True, trim_block: bool | None = None):
@@ -228,17 +240,38 @@ class DFlashProposer:
         most n deep): no head rows for depths no tree reaches. With `lazy_rows` (the default) a
         marginals.LazyDraftScores: rows computed when the tree first reaches their depth. None: the gate
         chose a plain round (the tree is the root alone)."""
+        if not self._plan_round(state):
+            return None
+        return self._scores(state, self.drafter.draft_rows(state.context, self.block_embeds(root, state.plan.depth),
+                                                           start))
+
+    def draft_many(self, states: list[DFlashState], roots: list[int], starts: list[int]) -> list[Scores | None]:
+        """`draft` for several requests (a batched serving turn): the drafting ones' blocks run through the drafter
+        together (DFlashDrafter.draft_rows_many: each request's rows get the bits they get alone)."""
+        drafting = [i for i, state in enumerate(states) if self._plan_round(state)]
+        rows = self.drafter.draft_rows_many([states[i].context for i in drafting],
+                                            [self.block_embeds(roots[i], states[i].plan.depth) for i in drafting],
+                                            [starts[i] for i in drafting])
+        out: list[Scores | None] = [None] * len(states)
+        for i, block in zip(drafting, rows):
+            out[i] = self._scores(states[i], block)
+        return out
+
+    def _plan_round(self, state: DFlashState) -> bool:
+        """Decide the round (RoundPlan) and, when it drafts, bring the drafter's context up to date."""
         plan = state.plan = RoundPlan(drafts=state.gate is None or self._gate_drafts(state), depth=state.depth_cap)
         if not plan.drafts:
             self.policy.interrupt(state.policy)
-            return None
+            return False
         if state.deferred:
             feats = torch.cat(state.deferred)
             self.drafter.extend_context(state.context, feats,
                                         torch.arange(state.deferred_start, state.deferred_start + feats.shape[0]))
             state.deferred = []
-        rows = self.drafter.draft_rows(state.context, self.block_embeds(root, plan.depth), start)
-        depth = min(plan.depth, rows.count - 1)
+        return True
+
+    def _scores(self, state: DFlashState, rows: BlockRows) -> Scores:
+        depth = min(state.plan.depth, rows.count - 1)
         if not self.lazy_rows:
             return self.drafter.draft_scores(rows.rows(1, 1 + depth), self.lm_head)
         # block row i scores depth i: the head and the last layer's tail run for the depths the tree reaches

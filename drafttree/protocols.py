@@ -98,10 +98,14 @@ class Proposer(Protocol[S, D]):
     name: str
     capture_layers: tuple[int, ...]  # target layers whose hidden states the proposer reads
     max_nodes: int  # the largest tree it builds (the target state needs that many scratch rows)
+    batch_drafts: bool  # draft_many shares work across requests (engine.step_many then drafts a turn's together)
 
     def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None, clock: Clock) -> S: ...
 
     def draft(self, state: S, root: int, start: int) -> D: ...
+
+    def draft_many(self, states: list[S], roots: list[int], starts: list[int]) -> list[D]: ...  # one round each,
+    # drafted together where the proposer can (engine.step_many: the requests of one batched turn)
 
     def build_tree(self, state: S, root: int, drafted: D, start: int) -> DraftTree: ...
 

@@ -3,11 +3,12 @@ import torch
 
 from drafttree.costmodel import ConvexCost, VerifyCostModel
 from drafttree.drafter.model import DFlashConfig, DFlashDrafter
+from drafttree.proposers import DraftsOneByOne
 from drafttree.load import load_target
 from drafttree.weaver import Weaver, WeaverConfig
 
 
-class TargetCopyProposer:
+class TargetCopyProposer(DraftsOneByOne):
     """Drafts with a second copy of the target (plus optional noise): high acceptance, so the tests
     exercise deep accepted paths, partial acceptance and rejection in every round."""
 

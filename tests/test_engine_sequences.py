@@ -171,10 +171,50 @@ def test_a_failing_round_in_a_batch_fails_alone(tiny_checkpoint, monkeypatch):
     seqs = [Sequence(target, p, None, 10, stop_token_ids=()) for p in ids]
     step_many(seqs)  # prefills
     bad = seqs[1]
-    monkeypatch.setattr(bad, "_begin_round", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(bad, "_begin_round", lambda *drafted: (_ for _ in ()).throw(RuntimeError("boom")))
     out = step_many(seqs)
     assert isinstance(out[1], RuntimeError) and not isinstance(out[0], Exception)
     others = [seqs[0], seqs[2]]
     while any(not s.done for s in others):
         step_many([s for s in others if not s.done])
     assert [s.tokens for s in others] == [truth[0], truth[2]]
+
+
+@pytest.mark.parametrize("tiny_checkpoint", ["llama"], indirect=True)
+def test_a_turn_drafts_its_requests_together(tiny_checkpoint, monkeypatch):
+    """step_many drafts the rounds of one DFlash proposer's requests in one draft_many call (the drafter on the
+    kernels: one forward), and every request still gets its own tokens: greedy and seeded sampling, gated and
+    cost-aware policies, AR requests beside them."""
+    from drafttree.engine import step_many
+    from drafttree.model.linear import quantize_linears, use_cpu_kernels
+
+    path, _ = tiny_checkpoint
+    target = load_target(str(path), compute="q4")
+    drafter = random_drafter_for(target.model)
+    use_cpu_kernels(quantize_linears(drafter.fuse_projections(), target.compute.isa), target.compute.isa)
+    proposers = [DFlashProposer(drafter, target.model, BestFirstPolicy(8)),
+                 DFlashProposer(drafter, target.model, CostAwarePolicy(synthetic_cost_model(), 32, recalibrate=True),
+                                gate=True), None]
+    calls = []
+    for p in proposers[:2]:
+        many = p.draft_many
+        monkeypatch.setattr(p, "draft_many", lambda st, r, s, many=many: calls.append(len(st)) or many(st, r, s))
+    ids = prompts(8, target.model.config.vocab_size, seed=11)
+    sampling = [SamplingParams(), SamplingParams(temperature=0.8, seed=5)]
+
+    def make(i, p):
+        return Sequence(target, p, proposers[i % 3], 20, sampling[(i // 3) % 2], stop_token_ids=())
+
+    alone = []
+    for i, p in enumerate(ids):
+        seq = make(i, p)
+        while not seq.done:
+            seq.step()
+        alone.append(seq.tokens)
+    assert not calls  # alone, a request drafts itself
+    seqs = [make(i, p) for i, p in enumerate(ids)]
+    while any(not s.done for s in seqs):
+        for r in step_many([s for s in seqs if not s.done]):
+            assert not isinstance(r, Exception), r
+    assert [s.tokens for s in seqs] == alone
+    assert calls and max(calls) == 3  # requests 0, 3, 6 share the first proposer

@@ -310,6 +310,39 @@ class DFlashDrafter(KernelAttention, StackedLayers, nn.Module):
             heads = attn.attention_heads(q, ctx.k[i, :, :end], ctx.v[i, :, :end])
         return BlockRows(self, h, heads)
 
+    @torch.no_grad()
+    def draft_rows_many(self, ctxs: list["DraftContext"], block_embeds: list[torch.Tensor], starts: list[int]
+                        ) -> list["BlockRows"]:
+        """`draft_rows` of several requests in one pass: their block rows share each linear (one int8 call per
+        layer) and attention runs per request against its own context in one C++ call. Every request's rows get
+        the bits `draft_rows` gives them alone (the kernels are batch-invariant; tests compare). Without the fused
+        attention kernel (the float paths) the requests run one after another."""
+        attn0 = self.layers[0].self_attn if self.layers else None
+        if (len(ctxs) < 2 or attn0 is None or attn0.kernel_isa is None or attn0.qkv is None
+                or any(c.k.dtype != torch.float32 for c in ctxs)):
+            return [self.draft_rows(c, e, s) for c, e, s in zip(ctxs, block_embeds, starts)]
+        from drafttree.ops.attention import rope_tree_attention_batched
+
+        segments, positions, embeds, row = [], [], [], 0
+        for ctx, emb, start in zip(ctxs, block_embeds, starts):
+            b = min(emb.shape[0], self.rotary.cos.shape[0] - start)  # as draft_rows: no positions past the context
+            ctx.ensure_capacity(ctx.length + b)
+            segments.append((row, row + b, ctx.length, torch.ones(b, b, dtype=torch.bool), ctx))
+            positions.append(torch.arange(start, start + b))
+            embeds.append(emb[:b])
+            row += b
+        h = torch.cat(embeds).to(self.dtype)
+        cos, sin = self._rope(torch.cat(positions), h.dtype)
+        cos, sin = cos.squeeze(-3), sin.squeeze(-3)
+        heads = None
+        for i, layer in enumerate(self.layers):
+            if heads is not None:
+                h = layer_tail(self.layers[i - 1], h, heads)
+            attn = layer.self_attn
+            heads = rope_tree_attention_batched(attn.qkv(layer.input_layernorm(h)), cos, sin, segments, i,
+                                                attn.n_heads, attn.n_kv, attn0.kernel_isa, attn.q_norm, attn.k_norm)
+        return [BlockRows(self, h[a:b], heads[a:b]) for a, b, *_ in segments]
+
     # ---- LM head -------------------------------------------------------------------------
     def head_weight(self, lm_head):
         """The target's head (a weight tensor or an int8 layer) restricted to the draft vocabulary,

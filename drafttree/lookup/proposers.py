@@ -22,7 +22,8 @@ import torch
 from ..policies import CaddSelection, caddtree_select, fixed_budget_cut
 from ..draft_gate import ContextGate, GateMemory
 from ..marginals import Scores, log_marginals
-from ..proposers import BestFirstPolicy, CalibrationState, CostAwarePolicy, DFlashProposer, DFlashState
+from ..proposers import (BestFirstPolicy, CalibrationState, CostAwarePolicy, DFlashProposer, DFlashState,
+                         DraftsOneByOne)
 from ..protocols import Clock
 from ..tree import DraftTree
 from .calibration import LookupCalibrator
@@ -98,7 +99,7 @@ class LookupState:
         return path
 
 
-class LookupProposer:
+class LookupProposer(DraftsOneByOne):
     """Prompt/suffix lookup alone: best-first over the continuation trie, the nodes whose calibrated path
     probability is at least `min_prob`, at most `budget` of them (a chain when one continuation dominates,
     a small tree when the matched occurrences disagree). No drafter, no captured layers."""
@@ -163,7 +164,7 @@ class LookupDFlashState:
 LookupDraft = tuple[Scores | None, Continuations | None]
 
 
-class LookupDFlashProposer:
+class LookupDFlashProposer(DraftsOneByOne):
     """Wraps a DFlashProposer whose policy is DDTree (BestFirstPolicy) or CaDDTree (CostAwarePolicy): the
     drafter's marginals and the lookup's continuations enter one best-first stream (drafttree.lookup.merge)
     that the policy cuts: the first `budget` nodes, or CaDDTree's greedy stop (its online recalibration too

@@ -16,7 +16,7 @@ import torch
 
 from ..policies import caddtree_select
 from ..protocols import Clock, TargetModel, TreePolicy
-from ..proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer, DFlashState
+from ..proposers import BestFirstPolicy, CostAwarePolicy, DFlashProposer, DFlashState, DraftsOneByOne
 from ..tree import DraftTree
 from .model import Weaver
 from .tree import LookaheadWeaverStream, RoundInputs, WeaverStream, round_inputs
@@ -38,7 +38,7 @@ class WeaverDraft:
     token_ids: torch.Tensor | None = None
 
 
-class WeaverProposer:
+class WeaverProposer(DraftsOneByOne):
     def __init__(self, drafter, target_model: TargetModel, weaver: Weaver, policy: TreePolicy, width: int = 8,
                  call_ms: float | None = None, lookahead: bool | None = None):
         if not isinstance(policy, (BestFirstPolicy, CostAwarePolicy)) or (isinstance(policy, CostAwarePolicy)

@@ -90,3 +90,36 @@ def test_mask_token_id_uses_target_row_and_draft_vocab_logits():
     keep = torch.arange(0, 50, 5)
     assert logits.dtype == torch.float32 and torch.allclose(logits[:, keep], full[:, keep].float())
     assert torch.isinf(logits[:, 1]).all() and logits.argmax(-1).remainder(5).eq(0).all()
+
+
+def test_drafts_of_several_requests_together_equal_each_alone():
+    """draft_rows_many: the requests' block rows share each int8 linear and one attention call, against their own
+    contexts (different lengths, starts and block sizes); every row gets the bits draft_rows gives it alone."""
+    from drafttree.compute import choose_compute
+    from drafttree.model.linear import quantize_linears, use_cpu_kernels
+
+    isa = choose_compute("int8").isa
+    torch.manual_seed(0)
+    d = DFlashDrafter(tiny_config()).eval()
+    for p in d.parameters():
+        p.data.add_(0.1 * torch.randn_like(p))
+    use_cpu_kernels(quantize_linears(d.fuse_projections(), isa), isa)
+    assert d.layers[0].self_attn.kernel_isa is not None
+    lengths, blocks = [5, 17, 40], [4, 2, 3]
+
+    def contexts():
+        g = torch.Generator().manual_seed(1)
+        out = []
+        for n in lengths:
+            ctx = d.new_context(8)
+            d.extend_context(ctx, torch.randn(n, d.config.context_dim, generator=g), torch.arange(n))
+            out.append(ctx)
+        return out
+
+    embeds = [torch.randn(b, 32, generator=torch.Generator().manual_seed(b)) for b in blocks]
+    alone = [d.draft_rows(c, e, n) for c, e, n in zip(contexts(), embeds, lengths)]
+    together = d.draft_rows_many(contexts(), embeds, lengths)
+    for a, t, b in zip(alone, together, blocks):
+        assert t.count == a.count == b
+        assert torch.equal(t.rows(0, b), a.rows(0, b)) and torch.equal(t.rows(1, b), a.rows(1, b))
+    assert d.draft_rows_many([], [], []) == []
