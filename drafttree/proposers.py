@@ -182,7 +182,7 @@ class DFlashState:
     clock: Clock
     gate: Gate | None = None
     round: list | None = None  # [drafted, start time, tokens committed] of the round in flight (gated only)
-    deferred: list = field(default_factory=list)  # features of undrafted rounds, added to the context when drafting resumes
+    deferred: list = field(default_factory=list)  # features committed since the last draft: the context's at the next
     deferred_start: int = 0
     plan: RoundPlan = RoundPlan(drafts=True, depth=0)  # the round in flight's
     depth_cap: int = 0  # deepest depth the next round drafts: the proposer's draft_depth unless follow_depth lowers it
@@ -242,13 +242,19 @@ class DFlashProposer:
         chose a plain round (the tree is the root alone)."""
         if not self._plan_round(state):
             return None
+        self.catch_up(state)
         return self._scores(state, self.drafter.draft_rows(state.context, self.block_embeds(root, state.plan.depth),
                                                            start))
 
     def draft_many(self, states: list[DFlashState], roots: list[int], starts: list[int]) -> list[Scores | None]:
-        """`draft` for several requests (a batched serving turn): the drafting ones' blocks run through the drafter
-        together (DFlashDrafter.draft_rows_many: each request's rows get the bits they get alone)."""
+        """`draft` for several requests (a batched serving turn): the drafting ones' context updates and blocks run
+        through the drafter together (DFlashDrafter.extend_context_many, draft_rows_many: each request's rows get
+        the bits they get alone)."""
         drafting = [i for i, state in enumerate(states) if self._plan_round(state)]
+        behind = [states[i] for i in drafting if states[i].deferred]
+        pending = [self._take_pending(state) for state in behind]
+        self.drafter.extend_context_many([state.context for state in behind], [f for f, _ in pending],
+                                         [p for _, p in pending])
         rows = self.drafter.draft_rows_many([states[i].context for i in drafting],
                                             [self.block_embeds(roots[i], states[i].plan.depth) for i in drafting],
                                             [starts[i] for i in drafting])
@@ -258,17 +264,23 @@ class DFlashProposer:
         return out
 
     def _plan_round(self, state: DFlashState) -> bool:
-        """Decide the round (RoundPlan) and, when it drafts, bring the drafter's context up to date."""
+        """Decide the round (RoundPlan): whether the drafter runs."""
         plan = state.plan = RoundPlan(drafts=state.gate is None or self._gate_drafts(state), depth=state.depth_cap)
         if not plan.drafts:
             self.policy.interrupt(state.policy)
-            return False
+        return plan.drafts
+
+    def catch_up(self, state: DFlashState) -> None:
+        """Bring the drafter's context up to date: the committed tokens since it last drafted, in one call."""
         if state.deferred:
-            feats = torch.cat(state.deferred)
-            self.drafter.extend_context(state.context, feats,
-                                        torch.arange(state.deferred_start, state.deferred_start + feats.shape[0]))
-            state.deferred = []
-        return True
+            self.drafter.extend_context(state.context, *self._take_pending(state))
+
+    @staticmethod
+    def _take_pending(state: DFlashState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The features and positions of the tokens committed since the last draft, taken off the state."""
+        feats = torch.cat(state.deferred)
+        state.deferred = []
+        return feats, torch.arange(state.deferred_start, state.deferred_start + feats.shape[0])
 
     def _scores(self, state: DFlashState, rows: BlockRows) -> Scores:
         depth = min(state.plan.depth, rows.count - 1)
@@ -322,9 +334,9 @@ class DFlashProposer:
 
     def advance(self, state: DFlashState, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor | None,
                 start: int) -> None:
-        """Append the accepted nodes (root first) to the drafter's context; after a round that did not run the
-        drafter, later: all such rounds in one call when drafting resumes (a context update costs about the
-        same for one token as for twenty: its calls, not its rows)."""
+        """The accepted nodes (root first) join the drafter's context at its next draft (catch_up): all rounds since
+        in one call, and in a batched turn all requests' in one call (a context update costs about the same for one
+        token as for twenty: its calls, not its rows)."""
         assert accepted_features is not None  # the target captures our capture_layers
         n = accepted_features.shape[0]
         plain = state.round is not None and not state.round[0]  # the gate's plain round
@@ -332,9 +344,6 @@ class DFlashProposer:
             state.round[2] = n
         if not plain:
             self.policy.record_acceptance(state.policy, n - 1)
-        if state.plan.drafts:
-            self.drafter.extend_context(state.context, accepted_features, torch.arange(start, start + n))
-            return
         if not state.deferred:
             state.deferred_start = start
         state.deferred.append(accepted_features)

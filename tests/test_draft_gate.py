@@ -105,9 +105,14 @@ def test_gated_speculation_equals_ar_and_the_drafter_catches_up(tiny_checkpoint,
             sizes = []
             while not seq.done:
                 seq.step()
-                if seq.draft_state is not None and seq.stats.tree_sizes and seq.stats.tree_sizes[-1] > 0:
-                    # after a drafted round the drafter's context holds every committed token
-                    assert seq.draft_state.context.length == seq.state.length and not seq.draft_state.deferred
+                if seq.draft_state is not None and seq.stats.tree_sizes:
+                    # every committed token is in the drafter's context or waits for its next draft, in order
+                    st = seq.draft_state
+                    pending = sum(f.shape[0] for f in st.deferred)
+                    assert st.context.length + pending == seq.state.length
+                    assert not st.deferred or st.deferred_start == st.context.length
+                    if seq.stats.tree_sizes[-1] > 0:  # a drafted round: the context was up to date when it drafted
+                        assert pending == seq.stats.accept_lengths[-1]
                 sizes = seq.stats.tree_sizes
             assert seq.tokens == truth
             assert 0 in sizes and max(sizes) > 0  # both kinds of rounds ran

@@ -249,18 +249,48 @@ class DFlashDrafter(KernelAttention, StackedLayers, nn.Module):
                 ctx.v[i, :, ctx.length:end] = v
         ctx.length = end
 
+    @torch.no_grad()
+    def extend_context_many(self, ctxs: list["DraftContext"], features: list[torch.Tensor],
+                            positions: list[torch.Tensor]) -> None:
+        """`extend_context` for several requests in one pass (their rows through the context projections together;
+        every row's K/V the bits it gets alone: the int8 projections, norms and RoPE work row by row; float
+        projections are BLAS matmuls, whose rounding may depend on the rows, so those requests go one by one)."""
+        if len(ctxs) < 2 or self.context_kv is None or not self.layers or isinstance(self.context_kv, nn.Linear):
+            for ctx, f, p in zip(ctxs, features, positions):
+                self.extend_context(ctx, f, p)
+            return
+        counts = [f.shape[0] for f in features]
+        for ctx, n in zip(ctxs, counts):
+            ctx.ensure_capacity(ctx.length + n + self.config.block_size)
+        fused = self.fuse_context(torch.cat(features))
+        cos, sin = self._rope(torch.cat(positions), fused.dtype)
+        k, v = self._context_heads(fused, cos, sin)  # [L, kv, N, d] each
+        row = 0
+        for ctx, n in zip(ctxs, counts):
+            ctx.k[:, :, ctx.length:ctx.length + n] = k[:, :, row:row + n]
+            ctx.v[:, :, ctx.length:ctx.length + n] = v[:, :, row:row + n]
+            ctx.length += n
+            row += n
+
     def _extend_all_layers(self, ctx: "DraftContext", fused: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """extend_context's fused path: all layers read the same context vectors, so one matmul (context_kv)
         projects every layer's k/v, and RoPE and the cache writes run once over all layers' heads (per-layer Python
         calls were most of a context update: 0.5 ms for two tokens on a Zen 3). The same arithmetic as
         DraftAttention.kv_heads, bit for bit (tests/test_marginals.py)."""
+        n = fused.shape[0]
+        k, v = self._context_heads(fused, cos, sin)
+        ctx.k[:, :, ctx.length:ctx.length + n] = k
+        ctx.v[:, :, ctx.length:ctx.length + n] = v
+
+    def _context_heads(self, fused: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's context k (normed, RoPE'd) and v [L, kv, n, d] of fused context rows, in one matmul."""
         n, L = fused.shape[0], len(self.layers)
         attn = self.layers[0].self_attn
         kv = self.context_kv(fused).view(n, L, 2, attn.n_kv, attn.head_dim).permute(2, 1, 3, 0, 4)  # [2, L, kv, n, d]
         k, v = kv[0], kv[1]
         k = torch.stack([layer.self_attn.k_norm(k[i]) for i, layer in enumerate(self.layers)])  # each layer's own norm
-        ctx.k[:, :, ctx.length:ctx.length + n] = apply_rotary(k, cos.squeeze(-3), sin.squeeze(-3))
-        ctx.v[:, :, ctx.length:ctx.length + n] = v
+        return apply_rotary(k, cos.squeeze(-3), sin.squeeze(-3)), v
 
     @torch.no_grad()
     def draft(self, ctx: "DraftContext", block_embeds: torch.Tensor, start_position: int) -> torch.Tensor:

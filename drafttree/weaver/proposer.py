@@ -67,6 +67,7 @@ class WeaverProposer(DraftsOneByOne):
 
     def draft(self, state: DFlashState, root: int, start: int) -> WeaverDraft:
         d = self.drafter
+        self.inner.catch_up(state)
         hidden = d.draft(state.context, self.inner.block_embeds(root), start)[1:1 + self.draft_depth]
         # columns over the draft vocabulary (all ids when it is not reduced: draft_token_ids is then None)
         return WeaverDraft(d.draft_scores(hidden, self.inner.lm_head), hidden, d.draft_token_ids)

@@ -123,3 +123,35 @@ def test_drafts_of_several_requests_together_equal_each_alone():
         assert t.count == a.count == b
         assert torch.equal(t.rows(0, b), a.rows(0, b)) and torch.equal(t.rows(1, b), a.rows(1, b))
     assert d.draft_rows_many([], [], []) == []
+
+
+def test_context_updates_of_several_requests_together_equal_each_alone():
+    """extend_context_many on the int8 path: each request's context K/V are the bits extend_context writes."""
+    from drafttree.compute import choose_compute
+    from drafttree.model.linear import quantize_linears, use_cpu_kernels
+
+    isa = choose_compute("int8").isa
+    torch.manual_seed(0)
+    d = DFlashDrafter(tiny_config()).eval()
+    use_cpu_kernels(quantize_linears(d.fuse_projections(), isa), isa)
+    g = torch.Generator().manual_seed(2)
+    firsts = [torch.randn(n, d.config.context_dim, generator=g) for n in (3, 9)]
+    news = [torch.randn(n, d.config.context_dim, generator=g) for n in (1, 5)]
+
+    def contexts():
+        out = []
+        for f in firsts:
+            ctx = d.new_context(4)
+            d.extend_context(ctx, f, torch.arange(f.shape[0]))
+            out.append(ctx)
+        return out
+
+    alone, together = contexts(), contexts()
+    for ctx, f, new in zip(alone, firsts, news):
+        d.extend_context(ctx, new, torch.arange(f.shape[0], f.shape[0] + new.shape[0]))
+    d.extend_context_many(together, news, [torch.arange(f.shape[0], f.shape[0] + n.shape[0])
+                                           for f, n in zip(firsts, news)])
+    for a, t in zip(alone, together):
+        assert a.length == t.length
+        assert torch.equal(a.k[:, :, :a.length], t.k[:, :, :t.length])
+        assert torch.equal(a.v[:, :, :a.length], t.v[:, :, :t.length])

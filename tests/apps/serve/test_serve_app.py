@@ -199,11 +199,11 @@ class FaultyDecoder:
         if method == "chain":  # the third step (prefill, then rounds) fails, batched or alone
             begin, calls = seq._begin_round, [0]
 
-            def failing():
+            def failing(*drafted):
                 calls[0] += 1
                 if calls[0] == 2:
                     raise RuntimeError("injected fault in round 3")
-                return begin()
+                return begin(*drafted)
 
             seq._begin_round = failing
         return seq
