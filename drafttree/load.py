@@ -35,7 +35,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype | None = None, threads: int | None = None,
-                compute: str | None = None) -> Target:
+                compute: str | None = None, int8_smoothing: bool = True) -> Target:
     """Load a target model with its tokenizer, on a compute path (see drafttree.compute).
 
     `name_or_path` is an embedded model name (see `EMBEDDED`), a directory with config.json,
@@ -43,7 +43,8 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype | No
     tokenizer and chat template from its metadata; see drafttree.model.gguf_model). `compute` is "auto" (the fastest path
     on this CPU, what the CLI uses), "fp32", "bf16" or "int8"; a `dtype` alone selects fp32 or bf16;
     with neither, the fp32 reference path; "q4" runs a GGUF model's own Q4_1 blocks (HF weights are
-    quantized to Q4_1 here).
+    quantized to Q4_1 here). On the int8 path the activations' outlier channels are smoothed into the weights
+    (drafttree.model.smoothing) unless `int8_smoothing` is False; a GGUF file is not smoothed (yet).
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -80,7 +81,7 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype | No
         raise ValueError(f"unsupported architecture {hf_config.model_type!r}: supported are {sorted(builders)}")
     model = builders[hf_config.model_type](hf_config, read_safetensors_dir(path), torch_dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(path)) if (path / "tokenizer_config.json").exists() else None
-    if choice.path == "int8":  # per-row int8 activations: smooth their outlier channels into the weights first
+    if choice.path == "int8" and int8_smoothing:  # per-row int8 activations: smooth their outlier channels first
         smooth_for_int8(model, calibration_tokens(tokenizer, hf_config.vocab_size))
     if choice.path in ("int8", "q4"):
         q4 = choice.path == "q4" and (q4_1_blocks(find_embedded_gguf(name_or_path)) if name_or_path in EMBEDDED
