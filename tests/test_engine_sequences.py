@@ -20,6 +20,17 @@ def interleave(seqs: list[Sequence], order_seed: int) -> None:
         live[int(torch.randint(0, len(live), (1,), generator=g))].step()
 
 
+def decoded_alone(make, ids) -> list[list[int]]:
+    """The tokens of each sequence make(i, ids[i]) stepped to its end by itself."""
+    out = []
+    for i, p in enumerate(ids):
+        seq = make(i, p)
+        while not seq.done:
+            seq.step()
+        out.append(seq.tokens)
+    return out
+
+
 def test_interleaved_sequences_equal_each_alone(tiny_checkpoint):
     path, _ = tiny_checkpoint
     target = load_target(str(path))
@@ -146,12 +157,7 @@ def test_batched_rounds_equal_each_alone(tiny_checkpoint, compute):
     def make(i, p):
         return Sequence(target, p, proposers[i % 3], 24, sampling[i % 2], stop_token_ids=())
 
-    alone = []
-    for i, p in enumerate(ids):
-        seq = make(i, p)
-        while not seq.done:
-            seq.step()
-        alone.append(seq.tokens)
+    alone = decoded_alone(make, ids)
     seqs = [make(i, p) for i, p in enumerate(ids)]
     while any(not s.done for s in seqs):
         live = [s for s in seqs if not s.done]
@@ -205,12 +211,7 @@ def test_a_turn_drafts_its_requests_together(tiny_checkpoint, monkeypatch):
     def make(i, p):
         return Sequence(target, p, proposers[i % 3], 20, sampling[(i // 3) % 2], stop_token_ids=())
 
-    alone = []
-    for i, p in enumerate(ids):
-        seq = make(i, p)
-        while not seq.done:
-            seq.step()
-        alone.append(seq.tokens)
+    alone = decoded_alone(make, ids)
     assert not calls  # alone, a request drafts itself
     seqs = [make(i, p) for i, p in enumerate(ids)]
     while any(not s.done for s in seqs):

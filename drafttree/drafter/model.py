@@ -318,22 +318,13 @@ class DFlashDrafter(KernelAttention, StackedLayers, nn.Module):
             # every layer whole, in one call: the last layer's tail for all rows costs less than its Python calls
             h, _ = self.decoder_stack(h, cos.squeeze(-3), sin.squeeze(-3), ctx, c, torch.ones(B, B, dtype=torch.bool), ())
             return BlockRows(self, h, None)
-        kernel = self.layers[0].self_attn.kernel_isa if self.layers else None
-        fused = kernel is not None and ctx.k.dtype == torch.float32 and self.layers[0].self_attn.qkv is not None
-        if fused:
-            from drafttree.ops.attention import rope_tree_attention
-
-            block = torch.ones(B, B, dtype=torch.bool)
-            cos, sin = cos.squeeze(-3), sin.squeeze(-3)
+        if self._fused_attention([ctx]):
+            return self._fused_rows([ctx], [block_embeds], [start_position])[0]
         heads = None
         for i, layer in enumerate(self.layers):
             if heads is not None:
                 h = layer_tail(self.layers[i - 1], h, heads)
             attn = layer.self_attn
-            if fused:  # q/k norms, RoPE, the block's K/V into its scratch rows and attention: one C++ call
-                heads = rope_tree_attention(attn.qkv(layer.input_layernorm(h)), cos, sin, ctx.k[i], ctx.v[i], c, block,
-                                            attn.n_heads, attn.n_kv, kernel, attn.q_norm, attn.k_norm)
-                continue
             q, k, v = attn.project(layer.input_layernorm(h), cos, sin)
             ctx.k[i, :, c:end] = k  # scratch rows: the block sees itself and the whole context
             ctx.v[i, :, c:end] = v
@@ -347,12 +338,24 @@ class DFlashDrafter(KernelAttention, StackedLayers, nn.Module):
         layer) and attention runs per request against its own context in one C++ call. Every request's rows get
         the bits `draft_rows` gives them alone (the kernels are batch-invariant; tests compare). Without the fused
         attention kernel (the float paths) the requests run one after another."""
-        attn0 = self.layers[0].self_attn if self.layers else None
-        if (len(ctxs) < 2 or attn0 is None or attn0.kernel_isa is None or attn0.qkv is None
-                or any(c.k.dtype != torch.float32 for c in ctxs)):
+        if len(ctxs) < 2 or not self._fused_attention(ctxs):
             return [self.draft_rows(c, e, s) for c, e, s in zip(ctxs, block_embeds, starts)]
+        return self._fused_rows(ctxs, block_embeds, starts)
+
+    def _fused_attention(self, ctxs: list["DraftContext"]) -> bool:
+        """The quantized paths' C++ attention (q/k norms, RoPE, the block's K/V into its scratch rows, attention in
+        one call) serves these contexts."""
+        attn = self.layers[0].self_attn if self.layers else None
+        return (attn is not None and attn.kernel_isa is not None and attn.qkv is not None
+                and all(c.k.dtype == torch.float32 for c in ctxs))
+
+    def _fused_rows(self, ctxs: list["DraftContext"], block_embeds: list[torch.Tensor], starts: list[int]
+                    ) -> list["BlockRows"]:
+        """draft_rows on the C++ attention, for one request or several (their rows share each linear)."""
         from drafttree.ops.attention import rope_tree_attention_batched
 
+        kernel = self.layers[0].self_attn.kernel_isa
+        assert kernel is not None
         segments, positions, embeds, row = [], [], [], 0
         for ctx, emb, start in zip(ctxs, block_embeds, starts):
             b = min(emb.shape[0], self.rotary.cos.shape[0] - start)  # as draft_rows: no positions past the context
@@ -370,7 +373,7 @@ class DFlashDrafter(KernelAttention, StackedLayers, nn.Module):
                 h = layer_tail(self.layers[i - 1], h, heads)
             attn = layer.self_attn
             heads = rope_tree_attention_batched(attn.qkv(layer.input_layernorm(h)), cos, sin, segments, i,
-                                                attn.n_heads, attn.n_kv, attn0.kernel_isa, attn.q_norm, attn.k_norm)
+                                                attn.n_heads, attn.n_kv, kernel, attn.q_norm, attn.k_norm)
         return [BlockRows(self, h[a:b], heads[a:b]) for a, b, *_ in segments]
 
     # ---- LM head -------------------------------------------------------------------------
