@@ -17,7 +17,7 @@ class Gate(Protocol):
 
     def observe(self, draft: bool, tokens: int, ms: float) -> None: ...
 
-    def choose(self) -> bool: ...
+    def choose(self, batch: int = 1) -> bool: ...  # batch: requests whose rounds share this one's forward
 
 
 @dataclass
@@ -48,6 +48,7 @@ class GateMemory:
             if self.rounds[draft] >= self.min_rounds and self.ms[draft] > 0:
                 k = self.seed_rounds / self.weight[draft]
                 gate._tokens[draft], gate._ms[draft] = k * self.tokens[draft], k * self.ms[draft]
+                gate._weight[draft] = self.seed_rounds
                 gate._seen[draft] = gate.warmup_rounds
 
 
@@ -61,6 +62,7 @@ class DraftGate:
     _tokens: dict = field(default_factory=lambda: {True: 0.0, False: 0.0})
     _ms: dict = field(default_factory=lambda: {True: 0.0, False: 0.0})
     _seen: dict = field(default_factory=lambda: {True: 0, False: 0})
+    _weight: dict = field(default_factory=lambda: {True: 0.0, False: 0.0})  # rounds, forgotten as tokens and ms are
     _since_probe: int = 0
     _probing: int = 0
     _gap: int = 0  # rounds between probes now: probe_every, doubled by each probe that changed nothing
@@ -84,14 +86,27 @@ class DraftGate:
         f = self.forget
         self._tokens[draft] = f * self._tokens[draft] + tokens
         self._ms[draft] = f * self._ms[draft] + ms
+        self._weight[draft] = f * self._weight[draft] + 1.0
         self._seen[draft] += 1
 
-    def choose(self) -> bool:
-        """True: draft this round."""
+    def drafting_pays(self, batch: int = 1) -> bool:
+        """Alone: drafted rounds give more tokens per ms than plain ones. In a batched turn of `batch` requests the
+        time a drafted round adds is everyone's: drafting pays when its extra tokens per extra ms beat the batch's
+        rate, about `batch` times this request's plain rate (alone the two tests agree)."""
+        if batch <= 1 or self._weight[True] <= 0 or self._weight[False] <= 0:
+            return self.rate(True) >= self.rate(False)
+        tokens_d, ms_d = self._tokens[True] / self._weight[True], self._ms[True] / self._weight[True]
+        tokens_p, ms_p = self._tokens[False] / self._weight[False], self._ms[False] / self._weight[False]
+        if ms_d <= ms_p:
+            return tokens_d >= tokens_p
+        return (tokens_d - tokens_p) / (ms_d - ms_p) >= batch * self.rate(False)
+
+    def choose(self, batch: int = 1) -> bool:
+        """True: draft this round (`batch`: requests whose rounds share this one's forward)."""
         for draft in (True, False):  # first measure both
             if self._seen[draft] < self.warmup_rounds:
                 return draft
-        best = self.rate(True) >= self.rate(False)
+        best = self.drafting_pays(batch)
         if self._probing:
             self._probing -= 1
             return not best
@@ -125,6 +140,6 @@ class ContextGate:
     def observe(self, draft: bool, tokens: int, ms: float) -> None:
         self.gates[self._chosen].observe(draft, tokens, ms)
 
-    def choose(self) -> bool:
+    def choose(self, batch: int = 1) -> bool:
         self._chosen = self.context
-        return self.gates[self.context].choose()
+        return self.gates[self.context].choose(batch)

@@ -250,7 +250,7 @@ class DFlashProposer:
         """`draft` for several requests (a batched serving turn): the drafting ones' context updates and blocks run
         through the drafter together (DFlashDrafter.extend_context_many, draft_rows_many: each request's rows get
         the bits they get alone)."""
-        drafting = [i for i, state in enumerate(states) if self._plan_round(state)]
+        drafting = [i for i, state in enumerate(states) if self._plan_round(state, len(states))]
         behind = [states[i] for i in drafting if states[i].deferred]
         pending = [self._take_pending(state) for state in behind]
         self.drafter.extend_context_many([state.context for state in behind], [f for f, _ in pending],
@@ -263,9 +263,10 @@ class DFlashProposer:
             out[i] = self._scores(states[i], block)
         return out
 
-    def _plan_round(self, state: DFlashState) -> bool:
-        """Decide the round (RoundPlan): whether the drafter runs."""
-        plan = state.plan = RoundPlan(drafts=state.gate is None or self._gate_drafts(state), depth=state.depth_cap)
+    def _plan_round(self, state: DFlashState, batch: int = 1) -> bool:
+        """Decide the round (RoundPlan): whether the drafter runs (`batch`: requests drafting in this turn)."""
+        plan = state.plan = RoundPlan(drafts=state.gate is None or self._gate_drafts(state, batch),
+                                      depth=state.depth_cap)
         if not plan.drafts:
             self.policy.interrupt(state.policy)
         return plan.drafts
@@ -300,10 +301,10 @@ class DFlashProposer:
         """[block_rows(depth), H] the drafter's input for a round rooted at `root`."""
         return self.drafter.block_embeds(root, self.model.embed, self.block_rows(depth))
 
-    def _gate_drafts(self, state: DFlashState) -> bool:
+    def _gate_drafts(self, state: DFlashState, batch: int = 1) -> bool:
         assert state.gate is not None  # a gated request's
         now = self._end_gated_round(state)
-        drafted = state.gate.choose()
+        drafted = state.gate.choose(batch)
         state.round = [drafted, now, 0]
         return drafted
 

@@ -88,7 +88,7 @@ class ScriptedGate(DraftGate):
         super().__init__(**kwargs)
         self.script = itertools.cycle([True, True, False, False, False, True, False])
 
-    def choose(self) -> bool:
+    def choose(self, batch: int = 1) -> bool:
         return next(self.script)
 
 
@@ -116,3 +116,31 @@ def test_gated_speculation_equals_ar_and_the_drafter_catches_up(tiny_checkpoint,
                 sizes = seq.stats.tree_sizes
             assert seq.tokens == truth
             assert 0 in sizes and max(sizes) > 0  # both kinds of rounds ran
+
+
+def test_in_a_batched_turn_drafting_must_beat_the_batch_rate():
+    """Alone the gate compares tokens per ms; in a turn of 8 requests a drafted round's extra time is everyone's,
+    so drafting pays only when its extra tokens per extra ms beat about 8x the request's plain rate."""
+    gate = DraftGate()
+    for _ in range(10):
+        gate.observe(True, 2, 14.0)  # drafted: 2 tokens in a 14 ms turn
+        gate.observe(False, 1, 10.0)  # plain: 1 token in a 10 ms turn
+    assert gate.drafting_pays() and gate.drafting_pays(batch=1)  # 0.143 > 0.1 tokens/ms
+    assert gate.drafting_pays(batch=2)  # 1 extra token per 4 extra ms = 0.25 >= 2 x 0.1
+    assert not gate.drafting_pays(batch=8)  # 0.25 < 8 x 0.1
+    assert gate.choose(batch=1) and not gate.choose(batch=8)
+    cheap = DraftGate()
+    for _ in range(10):
+        cheap.observe(True, 3, 10.0)  # drafting costs nothing extra: it pays at any batch
+        cheap.observe(False, 1, 10.0)
+    assert cheap.drafting_pays(batch=32)
+
+
+def test_a_seeded_gate_weighs_its_memory_as_rounds():
+    memory = GateMemory()
+    for _ in range(10):
+        memory.observe(True, 2, 14.0)
+        memory.observe(False, 1, 10.0)
+    gate = DraftGate(memory=memory)
+    assert gate._weight == {True: memory.seed_rounds, False: memory.seed_rounds}
+    assert gate.drafting_pays(batch=1) and not gate.drafting_pays(batch=8)
