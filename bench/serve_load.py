@@ -310,6 +310,9 @@ def run_load(base: str, a, prompts: list[str], wants: list[str], lengths: list[i
     return {
         "requests": len(results), "ok": len(ok), "failures": len(failures), "failure_examples": failures[:5],
         "mismatches": len(mismatches), "mismatched_prompts": sorted(set(mismatches))[:20],
+        # what a mismatch looked like (a greedy reply must equal offline: keep the evidence)
+        "mismatch_examples": [{"prompt": r["prompt"], "served": r["text"], "offline": wants[r["prompt"]],
+                               "stats": r.get("stats")} for r in results if r["ok"] and not r["equal"]][:3],
         "all_equal_offline": not failures and not mismatches,
         "wall_s": round(wall, 2), "completion_tokens": tokens,
         "expected_tokens": sum(lengths[r["prompt"]] for r in results),
