@@ -233,54 +233,41 @@ class DFlashDrafter(KernelAttention, StackedLayers, nn.Module):
     @torch.no_grad()
     def extend_context(self, ctx: "DraftContext", features: torch.Tensor, positions: torch.Tensor) -> None:
         """Append the context K/V of newly committed tokens (features [N, k*H], positions [N])."""
-        n = features.shape[0]
-        if n == 0:
-            return
-        ctx.ensure_capacity(ctx.length + n + self.config.block_size)
-        fused = self.fuse_context(features)
-        cos, sin = self._rope(positions, fused.dtype)
-        end = ctx.length + n
-        if self.context_kv is not None and self.layers:
-            self._extend_all_layers(ctx, fused, cos, sin)
-        else:
-            for i, layer in enumerate(self.layers):
-                k, v = layer.self_attn.keys_values(fused, cos, sin)
-                ctx.k[i, :, ctx.length:end] = k
-                ctx.v[i, :, ctx.length:end] = v
-        ctx.length = end
+        self.extend_context_many([ctx], [features], [positions])
 
     @torch.no_grad()
     def extend_context_many(self, ctxs: list["DraftContext"], features: list[torch.Tensor],
                             positions: list[torch.Tensor]) -> None:
-        """`extend_context` for several requests in one pass (their rows through the context projections together;
-        every row's K/V the bits it gets alone: the int8 projections, norms and RoPE work row by row; float
-        projections are BLAS matmuls, whose rounding may depend on the rows, so those requests go one by one)."""
-        if len(ctxs) < 2 or self.context_kv is None or not self.layers or isinstance(self.context_kv, nn.Linear):
-            for ctx, f, p in zip(ctxs, features, positions):
-                self.extend_context(ctx, f, p)
+        """`extend_context` for several requests in one pass: with the fused projections (`context_kv`) all layers'
+        K/V of all rows in one matmul, RoPE and the cache writes once over all heads (per-layer Python calls were
+        most of a context update: 0.5 ms for two tokens on a Zen 3; the same arithmetic as DraftAttention.kv_heads,
+        bit for bit, tests/test_marginals.py). Several requests share the pass only on int8 projections, which work
+        row by row (every row's K/V the bits it gets alone); float projections are BLAS matmuls whose rounding may
+        depend on the rows, so those requests go one by one."""
+        kept = [(c, f, p) for c, f, p in zip(ctxs, features, positions) if f.shape[0] > 0]
+        if len(kept) > 1 and (self.context_kv is None or isinstance(self.context_kv, nn.Linear)):
+            for c, f, p in kept:
+                self.extend_context_many([c], [f], [p])
             return
-        counts = [f.shape[0] for f in features]
-        for ctx, n in zip(ctxs, counts):
-            ctx.ensure_capacity(ctx.length + n + self.config.block_size)
-        fused = self.fuse_context(torch.cat(features))
-        cos, sin = self._rope(torch.cat(positions), fused.dtype)
-        k, v = self._context_heads(fused, cos, sin)  # [L, kv, N, d] each
+        if not kept:
+            return
+        for ctx, f, _ in kept:
+            ctx.ensure_capacity(ctx.length + f.shape[0] + self.config.block_size)
+        fused = self.fuse_context(torch.cat([f for _, f, _ in kept]))
+        cos, sin = self._rope(torch.cat([p for _, _, p in kept]), fused.dtype)
+        if self.context_kv is not None and self.layers:
+            k, v = self._context_heads(fused, cos, sin)  # [L, kv, N, d] each
+        elif self.layers:  # unfused projections, one request (the check above): layer by layer
+            kv = [layer.self_attn.keys_values(fused, cos, sin) for layer in self.layers]
+            k, v = torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
         row = 0
-        for ctx, n in zip(ctxs, counts):
-            ctx.k[:, :, ctx.length:ctx.length + n] = k[:, :, row:row + n]
-            ctx.v[:, :, ctx.length:ctx.length + n] = v[:, :, row:row + n]
+        for ctx, f, _ in kept:
+            n = f.shape[0]
+            if self.layers:
+                ctx.k[:, :, ctx.length:ctx.length + n] = k[:, :, row:row + n]
+                ctx.v[:, :, ctx.length:ctx.length + n] = v[:, :, row:row + n]
             ctx.length += n
             row += n
-
-    def _extend_all_layers(self, ctx: "DraftContext", fused: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """extend_context's fused path: all layers read the same context vectors, so one matmul (context_kv)
-        projects every layer's k/v, and RoPE and the cache writes run once over all layers' heads (per-layer Python
-        calls were most of a context update: 0.5 ms for two tokens on a Zen 3). The same arithmetic as
-        DraftAttention.kv_heads, bit for bit (tests/test_marginals.py)."""
-        n = fused.shape[0]
-        k, v = self._context_heads(fused, cos, sin)
-        ctx.k[:, :, ctx.length:ctx.length + n] = k
-        ctx.v[:, :, ctx.length:ctx.length + n] = v
 
     def _context_heads(self, fused: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:

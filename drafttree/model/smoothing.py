@@ -63,8 +63,8 @@ def calibration_tokens(tokenizer, vocab_size: int) -> list[torch.Tensor]:
     for question, answer in CALIBRATION_TURNS:
         if getattr(tokenizer, "chat_template", None):
             ids = tokenizer.apply_chat_template([{"role": "user", "content": question},
-                                                 {"role": "assistant", "content": answer}], tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+                                                 {"role": "assistant", "content": answer}], tokenize=True,
+                                                return_dict=True)["input_ids"]
         else:
             ids = tokenizer.encode(question + "\n" + answer)
         out.append(torch.tensor(ids, dtype=torch.long))
