@@ -17,7 +17,7 @@ import torch
 from .model.decoder import ForwardOutput
 from .model.state import ModelState
 from .model.verify_input import VerifyInput
-from .protocols import Proposer
+from .protocols import BatchTurn, Proposer
 from .sampling import SamplingParams, next_token, sampling_probs
 from .stats import GenerationStats
 from .target import Target
@@ -134,9 +134,10 @@ class Sequence:
         self.stats.verify_s += time.perf_counter() - t0
         return [int(next_token(logits, self.sampling, self.gen))]
 
-    def _begin_round(self, drafted: object = NOT_DRAFTED) -> tuple[VerifyInput, DraftTree | None]:
-        """Draft a tree (AR: the root alone) and lay it out for the verify forward; `drafted`: the round's draft
-        when step_many made it together with other requests'."""
+    def _begin_round(self, drafted: object = NOT_DRAFTED, tree: DraftTree | None = None
+                     ) -> tuple[VerifyInput, DraftTree | None]:
+        """Draft a tree (AR: the root alone) and lay it out for the verify forward; `drafted` / `tree`: the round's
+        draft and tree when step_many made them together with other requests'."""
         state, root = self._target_state(), self.root
         start = state.length
         if self.proposer is None:
@@ -148,7 +149,8 @@ class Sequence:
             with stats.timed("draft_s"):
                 drafted = proposer.draft(self.draft_state, root, start)
         with stats.timed("tree_s"):
-            tree = proposer.build_tree(self.draft_state, root, drafted, start)
+            if tree is None:
+                tree = proposer.build_tree(self.draft_state, root, drafted, start)
             # nodes whose tokens could not be kept (past max_new_tokens) or stored (past the state) are not verified
             tree = tree.truncated(state.max_len - start, self.max_new - len(self.tokens) - 1)
         return verify_input(tree, start), tree
@@ -212,12 +214,12 @@ def step_many(seqs: list[Sequence]) -> list[list[int] | Exception]:
             out[i] = _attempt(seq.step)
         else:
             rounds.append((i, seq))
-    drafts = _draft_together([seq for _, seq in rounds])
+    prepared = _prepare_together([seq for _, seq in rounds])
     begun: list[tuple[int, Sequence, VerifyInput, DraftTree | None]] = []
-    for (i, seq), drafted in zip(rounds, drafts):
-        seq._step_t0 = time.perf_counter() - drafted[1]  # a draft made together counts for each of its sequences
+    for (i, seq), (drafted, tree, shared_s) in zip(rounds, prepared):
+        seq._step_t0 = time.perf_counter() - shared_s  # a draft made together counts for each of its sequences
         try:
-            begun.append((i, seq, *seq._begin_round(drafted[0])))
+            begun.append((i, seq, *seq._begin_round(drafted, tree)))
         except Exception as e:
             out[i] = e
         seq._busy += time.perf_counter() - seq._step_t0
@@ -246,12 +248,14 @@ def step_many(seqs: list[Sequence]) -> list[list[int] | Exception]:
     return out
 
 
-def _draft_together(seqs: list[Sequence]) -> list[tuple[object, float]]:
-    """Per sequence (a round about to begin): its draft and the seconds it took, made with the other sequences of the
-    same proposer in one Proposer.draft_many call where the proposer shares work across requests (batch_drafts);
-    (NOT_DRAFTED, 0) where it drafts itself in _begin_round (AR, alone with its proposer, or a proposer that would
-    draft one by one anyway). A draft_many that fails leaves each sequence to draft alone (and fail alone)."""
-    out: list[tuple[object, float]] = [(NOT_DRAFTED, 0.0)] * len(seqs)
+def _prepare_together(seqs: list[Sequence]) -> list[tuple[object, DraftTree | None, float]]:
+    """Per sequence (a round about to begin): its draft, its tree and the seconds they took, made with the other
+    sequences of the same proposer — one Proposer.draft_many call where the proposer shares drafting work across
+    requests (batch_drafts), then one build_trees call, which sizes their trees for the turn they share —;
+    (NOT_DRAFTED, None, 0) where it drafts itself in _begin_round (AR, alone with its proposer, or a proposer that
+    would draft one by one anyway). A draft_many or build_trees that fails leaves each sequence to its own round (and
+    to fail alone): a failed draft_many drafts again alone, a failed build_trees builds again alone."""
+    out: list[tuple[object, DraftTree | None, float]] = [(NOT_DRAFTED, None, 0.0)] * len(seqs)
     groups: dict[int, list[int]] = {}
     for k, seq in enumerate(seqs):
         if seq.proposer is not None and seq.proposer.batch_drafts:
@@ -265,15 +269,23 @@ def _draft_together(seqs: list[Sequence]) -> list[tuple[object, float]]:
         for seq in group:  # the proposer's clocks (gate, recalibration) read each request's own time
             seq._step_t0 = time.perf_counter()
         t0 = time.perf_counter()
+        states, roots = [seq.draft_state for seq in group], [cast(int, seq.root) for seq in group]
+        starts = [seq._target_state().length for seq in group]
         try:
-            drafted = proposer.draft_many([seq.draft_state for seq in group], [cast(int, seq.root) for seq in group],
-                                          [seq._target_state().length for seq in group])
+            drafted = proposer.draft_many(states, roots, starts)
         except Exception:
             continue
-        shared = time.perf_counter() - t0
-        for k, seq, d in zip(members, group, drafted):
-            seq.stats.draft_s += shared
-            out[k] = (d, shared)
+        draft_s = time.perf_counter() - t0
+        trees: list[DraftTree | None]
+        try:
+            trees = list(proposer.build_trees(states, roots, drafted, starts, BatchTurn(len(seqs), draft_s * 1e3)))
+        except Exception:  # each builds its own tree in _begin_round
+            trees = [None] * len(group)
+        tree_s = time.perf_counter() - t0 - draft_s
+        for k, seq, d, tree in zip(members, group, drafted, trees):
+            seq.stats.draft_s += draft_s
+            seq.stats.tree_s += tree_s
+            out[k] = (d, tree, draft_s + tree_s)
     return out
 
 

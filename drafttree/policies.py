@@ -1,4 +1,5 @@
-"""Where a best-first node stream is cut: a fixed budget (DDTree) or CaDDTree's greedy stop.
+"""Where a best-first node stream is cut: a fixed budget (DDTree) or CaDDTree's greedy stop, alone or for the
+requests of one batched turn together (caddtree_select_batch).
 
 Every draft-tree source (tree.best_first_nodes, lookup.merge, weaver.tree) yields nodes in best-first
 order (path log-prob non-increasing) from the one search in best_first.py; proposers, replay and benches decide how many to keep here, so
@@ -6,9 +7,10 @@ the stop rule has one implementation and one test suite (tests/test_policies.py,
 """
 from __future__ import annotations
 
+import heapq
 import math
 from itertools import islice
-from typing import Generic, Iterable, NamedTuple, Protocol, Sequence, TypeVar
+from typing import Callable, Generic, Iterable, NamedTuple, Protocol, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -96,6 +98,74 @@ def caddtree_select_reference(path_probs: Sequence[float], cost_model: VerifyCos
     phi = np.concatenate([[0.0], np.cumsum(probs)])
     cost = np.array([cost_model.round_ms(n, context_len) + overhead_ms + node_ms * n for n in range(len(probs) + 1)])
     return int(np.argmax((1 + phi) / cost))
+
+
+class BatchSelection(NamedTuple, Generic[N]):
+    nodes: list[list[N]]  # per request: its chosen draft nodes, best first
+    expected_tokens: float  # the turn's: its base tokens plus every chosen node's (scaled) path probability
+    turn_ms: float  # fixed_ms + C_v(base rows + chosen nodes)
+
+
+def caddtree_select_batch(node_streams: Sequence[Iterable[N]], verify_curve: Callable[[float], float],
+                          fixed_ms: float, base_rows: int, base_tokens: float, max_nodes: Sequence[int],
+                          accept_scales: Sequence[float]) -> BatchSelection[N]:
+    """CaDDTree for a batched turn: the requests' trees sized together to maximise the turn's tokens per ms,
+    Σᵢ(1 + Φᵢ) / (C_fixed + C_v(rows)), where every request's rows share one verify forward.
+
+    A node costs the same whichever request it joins (one more row of the forward), so the greedy step takes the
+    most probable next node of any request — a merge of the best-first streams — and stops at the first that fails
+    caddtree_select's ratio test; the merged stream is non-increasing and C_v convex, so that first failure is the
+    optimum (caddtree_select_batch_reference). The turn's rate is about the batch size times one request's, so a
+    node must be that much likelier to pay than alone: only confident drafts make a busy turn longer.
+    `base_rows` / `base_tokens`: the forward's rows and the tokens the turn emits without any draft node (a root and
+    its bonus token per request); `accept_scales[i]` multiplies request i's path probabilities (capped at 1)."""
+    if not (len(node_streams) == len(max_nodes) == len(accept_scales)):
+        raise ValueError("need one max_nodes and one accept_scale per node stream")
+    if any(isinstance(m, bool) or not isinstance(m, int) or m < 0 for m in max_nodes):
+        raise ValueError(f"max_nodes must be ints >= 0, got {list(max_nodes)!r}")
+    if base_rows < 1 or base_tokens <= 0:
+        raise ValueError(f"a turn has >= 1 row and > 0 tokens, got {base_rows} rows and {base_tokens} tokens")
+    streams = [iter(islice(s, m)) for s, m in zip(node_streams, max_nodes)]
+    heads: list[tuple[float, int, N]] = []  # (-p, request, node): ties go to the lower request index
+
+    def push(i: int) -> None:
+        node = next(streams[i], None)
+        if node is not None:
+            heapq.heappush(heads, (-min(1.0, accept_scales[i] * math.exp(node.path_logprob)), i, node))
+
+    for i in range(len(streams)):
+        push(i)
+    chosen: list[list[N]] = [[] for _ in streams]
+    gain, rows = float(base_tokens), base_rows
+    cost = fixed_ms + verify_curve(rows)
+    if cost <= 0:
+        raise ValueError("the modelled turn cost must be > 0")
+    while heads:
+        p, i = -heads[0][0], heads[0][1]
+        next_cost = fixed_ms + verify_curve(rows + 1)
+        if (gain + p) * cost <= gain * next_cost:
+            break
+        chosen[i].append(heapq.heappop(heads)[2])
+        gain, rows, cost = gain + p, rows + 1, next_cost
+        push(i)
+    return BatchSelection(chosen, gain, cost)
+
+
+def caddtree_select_batch_reference(path_probs: Sequence[Sequence[float]], verify_curve: Callable[[float], float],
+                                    fixed_ms: float, base_rows: int, base_tokens: float, max_nodes: Sequence[int],
+                                    accept_scales: Sequence[float]) -> list[int]:
+    """Brute force: nodes per request, from the n maximising (base + Σ top-n) / (fixed + C_v(base_rows + n)) over
+    all requests' (scaled, capped) probabilities sorted together (ties: lower request first), first max."""
+    merged = sorted((-min(1.0, s * p), i, k)
+                    for i, (probs, m, s) in enumerate(zip(path_probs, max_nodes, accept_scales))
+                    for k, p in enumerate(list(probs)[:m]))
+    phi = np.concatenate([[0.0], np.cumsum([-q for q, _, _ in merged])])
+    cost = np.array([fixed_ms + verify_curve(base_rows + n) for n in range(len(merged) + 1)])
+    n = int(np.argmax((base_tokens + phi) / cost))
+    counts = [0] * len(path_probs)
+    for _, i, _ in merged[:n]:
+        counts[i] += 1
+    return counts
 
 
 def build_caddtree(root_token: int, marginal_logprobs, cost_model: VerifyCostModel, context_len: int,

@@ -4,6 +4,7 @@ Interfaces: drafttree.protocols; per-request state: DFlashState (the caller hold
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import cast
@@ -12,14 +13,14 @@ import torch
 import torch.nn as nn
 
 from .costmodel import VerifyCostModel
-from .policies import CaddSelection, build_best_first_tree, build_caddtree
+from .policies import CaddSelection, build_best_first_tree, build_caddtree, caddtree_select_batch
 from .draft_gate import DraftGate, Gate, GateMemory
 from .drafter.model import BlockRows, DraftContext
 from .marginals import FIRST_CHUNK, FOLLOW_FIRST_CHUNK, LazyDraftScores, Scores, dense_logits, log_marginals
 from .model.linear import head_rows_source
-from .protocols import Clock, Proposer, TargetModel, TreePolicy
+from .protocols import BatchTurn, Clock, Proposer, TargetModel, TreePolicy
 from .recalibrate import RoundCalibrator
-from .tree import DraftTree, build_chain_tree
+from .tree import DraftTree, best_first_nodes, build_chain_tree
 
 
 class _Stateless:
@@ -33,6 +34,12 @@ class _Stateless:
 
     def max_nodes(self, depth: int) -> int:
         raise NotImplementedError  # each policy's own
+
+    def build_many(self, states: list, roots: list[int], logits: list[Scores], context_lens: list[int],
+                   token_ids: torch.Tensor | None, turn: BatchTurn) -> list[DraftTree]:
+        """A fixed-shape tree does not depend on the batch: each request's alone."""
+        build = cast(TreePolicy, self).build
+        return [build(state, root, x, n, token_ids) for state, root, x, n in zip(states, roots, logits, context_lens)]
 
     def record_acceptance(self, state, accepted_draft_nodes: int) -> None:
         pass
@@ -129,6 +136,26 @@ class CostAwarePolicy:
         self.round_built(state, sel, overhead, sum(math.exp(n.path_logprob) for n in sel.nodes))
         return tree
 
+    def build_many(self, states: list[CalibrationState | None], roots: list[int], logits: list[Scores],
+                   context_lens: list[int], token_ids: torch.Tensor | None, turn: BatchTurn) -> list[DraftTree]:
+        """Trees of requests whose rows share one verify forward (engine.step_many), sized together to maximise the
+        turn's tokens per ms (policies.caddtree_select_batch). The turn's fixed cost: its measured drafting and each
+        request's recalibrated overhead; its verify: the profiled curve at the requests' mean context (the rows go
+        through the same weights; attention, which differs per context, is the smaller part at these lengths)."""
+        starts = [self.round_start(s) if s is not None else (0.0, 1.0) for s in states]
+        streams = [best_first_nodes(log_marginals(x), self.max_tree_nodes, token_ids) if self.max_tree_nodes
+                   else iter(()) for x in logits]
+        curve = self.cost_model.verify_curve(round(statistics.fmean(context_lens)))
+        overhead = sum(o for o, _ in starts)
+        sel = caddtree_select_batch(streams, curve, turn.draft_ms + overhead, turn.requests, turn.requests,
+                                    [self.max_tree_nodes] * len(states), [scale for _, scale in starts])
+        modelled = sel.turn_ms - overhead  # what each request's round shares; its overhead is its own
+        for state, (own, _), nodes in zip(states, starts, sel.nodes):
+            if state is not None:
+                phi = sum(math.exp(n.path_logprob) for n in nodes)
+                self.round_built(state, CaddSelection(nodes, 1 + phi, modelled + own), own, phi)
+        return [DraftTree.from_nodes(root, nodes) for root, nodes in zip(roots, sel.nodes)]
+
     def round_start(self, state: CalibrationState) -> tuple[float, float]:
         """(overhead ms, the drafter's acceptance scale) for the round being built; observes the time since the
         last build. With round_built, the bookkeeping of `build` for trees built elsewhere (drafttree.lookup)."""
@@ -155,13 +182,19 @@ class CostAwarePolicy:
 
 
 class DraftsOneByOne:
-    """`Proposer.draft_many` for proposers whose drafts share nothing across requests: one after another."""
+    """`Proposer.draft_many` and `build_trees` for proposers whose drafts share nothing across requests and whose
+    trees are sized alone: one after another."""
 
     batch_drafts = False
 
     def draft_many(self, states: list, roots: list[int], starts: list[int]) -> list:
         proposer = cast(Proposer, self)  # the proposer class this is mixed into
         return [proposer.draft(state, root, start) for state, root, start in zip(states, roots, starts)]
+
+    def build_trees(self, states: list, roots: list[int], drafted: list, starts: list[int],
+                    turn: BatchTurn) -> list[DraftTree]:
+        proposer = cast(Proposer, self)
+        return [proposer.build_tree(*args) for args in zip(states, roots, drafted, starts)]
 
 
 @dataclass(frozen=True)
@@ -326,6 +359,23 @@ class DFlashProposer:
         if self.follow_depth:
             self.follow(state, int(tree.depths.max()))
         return tree
+
+    def build_trees(self, states: list[DFlashState], roots: list[int], drafted: list[Scores | None],
+                    starts: list[int], turn: BatchTurn) -> list[DraftTree]:
+        """`build_tree` for the requests of one batched turn: the policy builds the drafted ones' trees (CaDDTree sizes
+        them together); plain rounds are the root alone."""
+        drafting = [(i, x) for i, x in enumerate(drafted) if x is not None]
+        trees = [DraftTree.from_parents([root], [-1]) for root in roots]
+        if not drafting:
+            return trees
+        built = self.policy.build_many([states[i].policy for i, _ in drafting], [roots[i] for i, _ in drafting],
+                                       [x for _, x in drafting], [starts[i] for i, _ in drafting],
+                                       self.draft_token_ids, turn)
+        for (i, _), tree in zip(drafting, built):
+            trees[i] = tree
+            if self.follow_depth:
+                self.follow(states[i], int(tree.depths.max()))
+        return trees
 
     def follow(self, state: DFlashState, deepest: int) -> None:
         """For follow_depth (its callers check it): the next round drafts one depth past this round's deepest drafted

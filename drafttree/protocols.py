@@ -13,6 +13,7 @@ mypy checks these against the code that calls them and the classes that implemen
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol, TypeVar
 
 import torch
@@ -27,6 +28,15 @@ Clock = Callable[[], float]  # seconds; a request's own busy time, so other requ
 
 S = TypeVar("S")  # an implementation's per-request state
 D = TypeVar("D")  # what a proposer's `draft` hands its `build_tree` (its own kind: logits, lazy scores, continuations)
+
+
+@dataclass(frozen=True)
+class BatchTurn:
+    """What a proposer sizing several requests' trees together (Proposer.build_trees) knows of the batched turn
+    their rows share: engine.step_many's one verify forward."""
+
+    requests: int  # sequences whose rows the turn's forward holds (this proposer's and any other's): a root each
+    draft_ms: float  # what drafting this proposer's requests of the turn took (shared: draft_many)
 
 
 class TargetConfig(Protocol):
@@ -86,6 +96,10 @@ class TreePolicy(Protocol[S]):
     def build(self, state: S, root: int, logits: Scores, context_len: int,
               token_ids: torch.Tensor | None = None) -> DraftTree: ...
 
+    def build_many(self, states: list[S], roots: list[int], logits: list[Scores], context_lens: list[int],
+                   token_ids: torch.Tensor | None, turn: BatchTurn) -> list[DraftTree]: ...  # build, for requests
+    # whose rows share one batched verify forward (a cost-aware policy sizes their trees together)
+
     def record_acceptance(self, state: S, accepted_draft_nodes: int) -> None: ...
 
     def interrupt(self, state: S) -> None: ...  # rounds without the policy's tree ran since its last build
@@ -108,6 +122,10 @@ class Proposer(Protocol[S, D]):
     # drafted together where the proposer can (engine.step_many: the requests of one batched turn)
 
     def build_tree(self, state: S, root: int, drafted: D, start: int) -> DraftTree: ...
+
+    def build_trees(self, states: list[S], roots: list[int], drafted: list[D], starts: list[int],
+                    turn: BatchTurn) -> list[DraftTree]: ...  # build_tree for requests of one batched turn, their
+    # sizes chosen together where the proposer can (a cost-aware policy: policies.caddtree_select_batch)
 
     def advance(self, state: S, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor | None,
                 start: int) -> None: ...

@@ -219,3 +219,30 @@ def test_a_turn_drafts_its_requests_together(tiny_checkpoint, monkeypatch):
             assert not isinstance(r, Exception), r
     assert [s.tokens for s in seqs] == alone
     assert calls and max(calls) == 3  # requests 0, 3, 6 share the first proposer
+
+
+@pytest.mark.parametrize("tiny_checkpoint", ["llama"], indirect=True)
+def test_a_turn_sizes_its_cost_aware_trees_together(tiny_checkpoint, monkeypatch):
+    """step_many hands a cost-aware proposer's drafted requests to one build_many (their trees sized for the turn,
+    an AR request's row counted in it), and greedy output stays the target's own."""
+    from drafttree.costmodel import ConvexCost, VerifyCostModel
+    from drafttree.engine import step_many
+
+    path, _ = tiny_checkpoint
+    target = load_target(str(path), compute="q4")
+    cheap_rows = VerifyCostModel((0,), (ConvexCost((1.0, 64.0), (10.0, 10.5)),), draft_ms=1.0)  # trees pay
+    policy = CostAwarePolicy(cheap_rows, 12, recalibrate=True)
+    proposer = DFlashProposer(random_drafter_for(target.model), target.model, policy)
+    turns = []
+    many = policy.build_many
+    monkeypatch.setattr(policy, "build_many", lambda st, r, x, c, t, turn:
+                        turns.append((len(st), turn.requests)) or many(st, r, x, c, t, turn))
+    ids = prompts(5, target.model.config.vocab_size, seed=12)
+    truth = [generate_ar(target, p, max_new_tokens=16, stop_token_ids=()).tokens for p in ids]
+    seqs = [Sequence(target, p, proposer if i < 4 else None, 16, stop_token_ids=()) for i, p in enumerate(ids)]
+    while any(not s.done for s in seqs):
+        for r in step_many([s for s in seqs if not s.done]):
+            assert not isinstance(r, Exception), r
+    assert [s.tokens for s in seqs] == truth
+    assert turns and max(turns) == (4, 5)
+    assert sum(sum(s.stats.tree_sizes) for s in seqs[:4]) > 0
