@@ -1,8 +1,10 @@
 """What a verify of n tokens costs against one token, on a real target's compute path: the whole verify (a
 chain of n tokens on top of a prefilled context, logits for every row) and the LM head alone for n rows,
-medians of interleaved repeats; prints the CPU's ISA beside the figures.
+medians of interleaved repeats; prints the CPU's ISA beside the figures. With --batch, also n requests' one-token
+rows in one batched forward (TargetModel.verify_many, a serving turn of batched AR), each on its own context of the
+same length: whether a turn's rows cost what a tree's rows do (the batch policy prices them by the tree curve).
 
-  .venv/bin/python bench/verify_curve.py --threads 2 [--context 200] [--tokens 1,2,3,4,8,16] [--out curve.json]
+  .venv/bin/python bench/verify_curve.py --threads 2 [--context 200] [--tokens 1,2,3,4,8,16] [--batch] [--out curve.json]
 """
 import argparse
 import json
@@ -25,6 +27,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=200)
     p.add_argument("--tokens", default="1,2,3,4,8,16")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--batch", action="store_true", help="also n requests' one-token rows in one batched forward")
     p.add_argument("--out")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -32,9 +35,13 @@ def main() -> None:
     model, counts = target.model, [int(n) for n in a.tokens.split(",")]
     vocab, gen = model.config.vocab_size, torch.Generator().manual_seed(0)
     state = model.new_state(a.context + max(counts) + 1)
-    times: dict[int, dict[str, list[float]]] = {n: {"verify_ms": [], "head_ms": []} for n in counts}
+    kinds = ("verify_ms", "head_ms", "batch_ms") if a.batch else ("verify_ms", "head_ms")
+    times: dict[int, dict[str, list[float]]] = {n: {k: [] for k in kinds} for n in counts}
     with torch.no_grad():
         model.prefill(state, torch.randint(0, vocab, (a.context,), generator=gen))
+        others = [model.new_state(a.context + 2) for _ in range(max(counts) if a.batch else 0)]
+        for s in others:  # each request of a batched turn on its own context
+            model.prefill(s, torch.randint(0, vocab, (a.context,), generator=gen))
         for rep in range(a.repeats + 1):  # the first pass warms up
             for n in counts:  # interleaved: a load change hits every size alike
                 batch = VerifyInput.of_tree(random_tree(n - 1, vocab, "chain", gen), a.context)
@@ -43,15 +50,25 @@ def main() -> None:
                 t1 = time.perf_counter()
                 model.row_logits(torch.randn(n, model.config.hidden_size, generator=gen))
                 t2 = time.perf_counter()
+                if a.batch:
+                    one = [VerifyInput.of_tree(random_tree(0, vocab, "chain", gen), a.context) for _ in range(n)]
+                    t3 = time.perf_counter()
+                    model.verify_many(others[:n], one, [()] * n)
+                    if rep:
+                        times[n]["batch_ms"].append((time.perf_counter() - t3) * 1e3)
                 if rep:
                     times[n]["verify_ms"].append((t1 - t0) * 1e3)
                     times[n]["head_ms"].append((t2 - t1) * 1e3)
     med = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}
     one = med[counts[0]]["verify_ms"]
     print(f"{cpu_info().model}; {target.compute_label}; {a.threads} threads; context {a.context}")
-    print("| tokens | verify ms | × first | LM head ms |\n|---:|---:|---:|---:|")
+    extra = " batched turn of n requests ms | turn ÷ tree |" if a.batch else ""
+    print(f"| tokens | verify ms | × first | LM head ms |{extra}\n|---:|---:|---:|---:|{'---:|---:|' if a.batch else ''}")
     for n in counts:
-        print(f"| {n} | {med[n]['verify_ms']:.2f} | {med[n]['verify_ms'] / one:.2f}× | {med[n]['head_ms']:.2f} |")
+        row = f"| {n} | {med[n]['verify_ms']:.2f} | {med[n]['verify_ms'] / one:.2f}× | {med[n]['head_ms']:.2f} |"
+        if a.batch:
+            row += f" {med[n]['batch_ms']:.2f} | {med[n]['batch_ms'] / med[n]['verify_ms']:.2f} |"
+        print(row)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"cpu": cpu_info().model, "isa": cpu_info().isa_summary, "compute": target.compute_label,

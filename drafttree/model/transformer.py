@@ -263,11 +263,15 @@ class Transformer(StackedLayers, CausalLM):
         cos, sin = self.rope(torch.cat([b.positions for b in batches]), self.dtype)
         x = self.embed(torch.cat([b.tokens for b in batches]))
         wanted = set().union(*capture_layers)
-        captured = {}
-        for i, layer in enumerate(self.layers):
-            x = layer.forward_segments(x, cos, sin, segments, i)
-            if i in wanted:
-                captured[i] = x
+        if self.decoder_stack is not None:  # the layer loop below, in one call (each row: the same bits)
+            x, captured = self.decoder_stack.many(x, cos, sin, [(b, m.past, m.tree, kv) for _, b, m, kv in segments],
+                                                  wanted)
+        else:
+            captured = {}
+            for i, layer in enumerate(self.layers):
+                x = layer.forward_segments(x, cos, sin, segments, i)
+                if i in wanted:
+                    captured[i] = x
         rows = [torch.arange(a, b) if batch.logits_rows is None else a + batch.logits_rows
                 for (a, b, _, _), batch in zip(segments, batches)]
         logits = self.row_logits(x[torch.cat(rows)]).split([r.numel() for r in rows])

@@ -27,6 +27,15 @@ std::vector<torch::Tensor> decoder_stack(torch::Tensor x, const std::vector<std:
                                          c10::optional<torch::Tensor> visible, int64_t n_heads, int64_t n_kv,
                                          double scale, double norm_eps, double qk_norm_eps,
                                          const std::vector<int64_t>& capture, int64_t isa);
+std::vector<torch::Tensor> decoder_stack_batched(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& layers,
+                                                 const std::vector<int64_t>& meta, torch::Tensor cos, torch::Tensor sin,
+                                                 const std::vector<torch::Tensor>& k_caches,
+                                                 const std::vector<torch::Tensor>& v_caches,
+                                                 const std::vector<int64_t>& pasts,
+                                                 const std::vector<c10::optional<torch::Tensor>>& visibles,
+                                                 const std::vector<int64_t>& row_ends, int64_t n_heads, int64_t n_kv,
+                                                 double scale, double norm_eps, double qk_norm_eps,
+                                                 const std::vector<int64_t>& capture, int64_t isa);
 
 std::vector<torch::Tensor> gdn_tree_verify(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
                                            torch::Tensor beta, torch::Tensor S0, torch::Tensor tree, int64_t isa);
@@ -51,4 +60,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdn_tree_verify", &gdn_tree_verify, "Gated DeltaNet tree verification over ancestor lists (ops/gdn)", no_gil);
   m.def("gdn_step", &gdn_step, "one Gated DeltaNet decode step: conv, gates, state update, gated norm (ops/gdn)", no_gil);
   m.def("decoder_stack", &decoder_stack, "a llama/qwen3 decoder stack in one call (ops/decoder)", no_gil);
+  m.def("decoder_stack_batched", &decoder_stack_batched,
+        "the decoder stack over several requests' rows, attention each against its own cache (ops/decoder)", no_gil);
 }

@@ -81,3 +81,52 @@ def test_stack_equals_the_layer_loop_on_smollm2():
         same(fused, run(model, prompt, tokens, ancestor_mask(parents), capture))
     finally:
         model.decoder_stack = stack
+
+
+def run_many(model, prompts, trees, capture):
+    """Prefill each request, then verify all their trees in one batched forward: (logits, features) per request
+    and the cache rows each request's state holds."""
+    from drafttree.model.verify_input import VerifyInput
+
+    states, batches = [], []
+    for prompt, (parents, tokens) in zip(prompts, trees):
+        st = model.new_state(64)
+        model.forward(st, prompt)
+        model.commit(st, torch.arange(prompt.numel()))
+        states.append(st)
+        mask = ancestor_mask(parents)
+        batches.append(VerifyInput(tokens, st.kv.length + mask.sum(1) - 1, torch.tensor(parents), mask))
+    outs = model.verify_many(states, batches, [capture] * len(states))
+    rows = [st.kv.length + b.num_nodes for st, b in zip(states, batches)]
+    return ([(o.logits, o.features) for o in outs],
+            torch.cat([st.kv.k[:, :, :n].flatten() for st, n in zip(states, rows)]),
+            torch.cat([st.kv.v[:, :, :n].flatten() for st, n in zip(states, rows)]))
+
+
+@pytest.mark.parametrize("compute", ["int8", "q4"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_batched_stack_equals_the_segment_loop(tiny_checkpoint, compute, isa):
+    """verify_many through decoder_stack_batched (one call for several requests' trees) against the Python loop of
+    forward_segments: the same logits, features and cache rows, bit for bit; requests of different lengths, trees and
+    a one-token row among them."""
+    target = load_target(str(tiny_checkpoint[0]), compute=compute)
+    model = target.model
+    for m in model.modules():
+        if hasattr(m, "isa"):
+            m.isa = isa
+        if hasattr(m, "kernel_isa") and m.kernel_isa is not None:
+            m.kernel_isa = isa
+    model.attention_kernel = isa
+    stack = DecoderStack.of(model)
+    gen = torch.Generator().manual_seed(4)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=gen) for n in (5, 13, 8)]
+    trees = []
+    for size in (7, 1, 4):
+        parents = random_tree_parents(size, gen) if size > 1 else [-1]
+        trees.append((parents, torch.randint(0, vocab, (size,), generator=gen)))
+    capture = (0, model.config.num_layers - 1)
+    model.decoder_stack = stack
+    fused = run_many(model, prompts, trees, capture)
+    model.decoder_stack = None
+    same(fused, run_many(model, prompts, trees, capture))

@@ -99,3 +99,16 @@ class DecoderStack:
                                         self.n_heads, self.n_kv, self.scale, self.norm_eps, self.qk_norm_eps,
                                         capture, self.isa)
         return out[0], dict(zip(capture, out[1:]))
+
+    def many(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments,
+             capture_layers) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Several requests' rows (a batched verify): segments are (end row, past, tree mask or None, cache) in row
+        order; the linears run once over all rows, attention per request against its own cache (each row gets the
+        bits it gets alone). Returns as __call__."""
+        capture = sorted(set(capture_layers))
+        out = extension().decoder_stack_batched(x, self.layers, self.meta, cos, sin, [s[3].k for s in segments],
+                                                [s[3].v for s in segments], [s[1] for s in segments],
+                                                [s[2] for s in segments], [s[0] for s in segments], self.n_heads,
+                                                self.n_kv, self.scale, self.norm_eps, self.qk_norm_eps, capture,
+                                                self.isa)
+        return out[0], dict(zip(capture, out[1:]))

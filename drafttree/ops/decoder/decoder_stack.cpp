@@ -10,10 +10,13 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor sw, t
                           c10::optional<torch::Tensor> bias, int64_t n_out, int64_t isa);
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m,
                         c10::optional<torch::Tensor> bias, int64_t n_out, int64_t isa);
-torch::Tensor rope_tree_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor kc,
-                                  torch::Tensor vc, int64_t past, c10::optional<torch::Tensor> visible,
-                                  int64_t n_heads, int64_t n_kv, double scale, c10::optional<torch::Tensor> q_norm,
-                                  c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa);
+torch::Tensor rope_tree_attention_batched(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                          const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs,
+                                          const std::vector<int64_t>& pasts,
+                                          const std::vector<c10::optional<torch::Tensor>>& visibles,
+                                          const std::vector<int64_t>& row_ends, int64_t n_heads, int64_t n_kv,
+                                          double scale, c10::optional<torch::Tensor> q_norm,
+                                          c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, int64_t isa);
 torch::Tensor silu_mul(torch::Tensor gate_up, int64_t isa);
 
@@ -42,28 +45,40 @@ torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& p
 
 }  // namespace
 
-// x [T, hidden] float32 (the embedded tokens); layers as above; k_cache/v_cache [L, Hkv, Lmax, d]; the new
-// rows' K/V are written at [past, past + T). Returns the hidden state after the last layer, then the hidden
-// states after each layer in `capture` (ascending).
-std::vector<torch::Tensor> decoder_stack(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& layers,
-                                         const std::vector<int64_t>& meta, torch::Tensor cos, torch::Tensor sin,
-                                         torch::Tensor k_cache, torch::Tensor v_cache, int64_t past,
-                                         c10::optional<torch::Tensor> visible, int64_t n_heads, int64_t n_kv,
-                                         double scale, double norm_eps, double qk_norm_eps,
-                                         const std::vector<int64_t>& capture, int64_t isa) {
+// x [R, hidden] float32 (the embedded tokens of several requests, request s's rows ending at row_ends[s]);
+// layers as above; per request its caches [L, Hkv, Lmax, d], its new rows' K/V written at [past, past + T_s), its
+// tree mask (or none). The linears run once over all rows, attention per request against its own cache (each row
+// gets the bits it gets alone: the kernels are row-wise). Returns the hidden state after the last layer, then the
+// hidden states after each layer in `capture` (ascending).
+std::vector<torch::Tensor> decoder_stack_batched(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& layers,
+                                                 const std::vector<int64_t>& meta, torch::Tensor cos, torch::Tensor sin,
+                                                 const std::vector<torch::Tensor>& k_caches,
+                                                 const std::vector<torch::Tensor>& v_caches,
+                                                 const std::vector<int64_t>& pasts,
+                                                 const std::vector<c10::optional<torch::Tensor>>& visibles,
+                                                 const std::vector<int64_t>& row_ends, int64_t n_heads, int64_t n_kv,
+                                                 double scale, double norm_eps, double qk_norm_eps,
+                                                 const std::vector<int64_t>& capture, int64_t isa) {
   const int64_t L = static_cast<int64_t>(layers.size());
+  const size_t S = row_ends.size();
   TORCH_CHECK(static_cast<int64_t>(meta.size()) == 2 * kLinears * L, "decoder_stack: meta must hold 8 values a layer");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) >= L && v_cache.sizes() == k_cache.sizes(),
-              "decoder_stack: caches must be [layers, Hkv, Lmax, d]");
-  std::vector<torch::Tensor> out{torch::Tensor()};
+  TORCH_CHECK(S > 0 && k_caches.size() == S && v_caches.size() == S, "decoder_stack: one cache per request");
+  for (size_t s = 0; s < S; ++s)
+    TORCH_CHECK(k_caches[s].dim() == 4 && k_caches[s].size(0) >= L && v_caches[s].sizes() == k_caches[s].sizes(),
+                "decoder_stack: caches must be [layers, Hkv, Lmax, d]");
+  std::vector<torch::Tensor> out{torch::Tensor()}, kcs(S), vcs(S);
   size_t next_capture = 0;
   for (int64_t i = 0; i < L; ++i) {
     const auto& p = layers[i];
     TORCH_CHECK(static_cast<int>(p.size()) == kTensors, "decoder_stack: layer ", i, " must hold ", kTensors, " tensors");
     const int64_t* m = meta.data() + 2 * kLinears * i;
+    for (size_t s = 0; s < S; ++s) {
+      kcs[s] = k_caches[s][i];
+      vcs[s] = v_caches[s][i];
+    }
     const auto qkv = linear(rms_norm(x, p[0], norm_eps, isa), p, m, 0, isa);
-    const auto attn = rope_tree_attention(qkv, cos, sin, k_cache[i], v_cache[i], past, visible, n_heads, n_kv,
-                                          scale, present(p[2]), present(p[3]), qk_norm_eps, isa);
+    const auto attn = rope_tree_attention_batched(qkv, cos, sin, kcs, vcs, pasts, visibles, row_ends, n_heads, n_kv,
+                                                  scale, present(p[2]), present(p[3]), qk_norm_eps, isa);
     x = x + linear(attn, p, m, 1, isa);
     x = x + linear(silu_mul(linear(rms_norm(x, p[1], norm_eps, isa), p, m, 2, isa), isa), p, m, 3, isa);
     if (next_capture < capture.size() && capture[next_capture] == i) {
@@ -73,4 +88,15 @@ std::vector<torch::Tensor> decoder_stack(torch::Tensor x, const std::vector<std:
   }
   out[0] = x;
   return out;
+}
+
+// One request's rows: decoder_stack_batched of one (k_cache/v_cache [L, Hkv, Lmax, d], new rows at [past, past + T)).
+std::vector<torch::Tensor> decoder_stack(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& layers,
+                                         const std::vector<int64_t>& meta, torch::Tensor cos, torch::Tensor sin,
+                                         torch::Tensor k_cache, torch::Tensor v_cache, int64_t past,
+                                         c10::optional<torch::Tensor> visible, int64_t n_heads, int64_t n_kv,
+                                         double scale, double norm_eps, double qk_norm_eps,
+                                         const std::vector<int64_t>& capture, int64_t isa) {
+  return decoder_stack_batched(x, layers, meta, cos, sin, {k_cache}, {v_cache}, {past}, {visible}, {x.size(0)},
+                               n_heads, n_kv, scale, norm_eps, qk_norm_eps, capture, isa);
 }
