@@ -4,7 +4,8 @@ medians of interleaved repeats; prints the CPU's ISA beside the figures. With --
 rows in one batched forward (TargetModel.verify_many, a serving turn of batched AR), each on its own context of the
 same length: whether a turn's rows cost what a tree's rows do (the batch policy prices them by the tree curve).
 
-  .venv/bin/python bench/verify_curve.py --threads 2 [--context 200] [--tokens 1,2,3,4,8,16] [--batch] [--out curve.json]
+  .venv/bin/python bench/verify_curve.py --threads 2 [--context 200] [--tokens 1,2,3,4,8,16] [--batch] \
+      [--out curve.json]
 """
 import argparse
 import json
@@ -63,7 +64,8 @@ def main() -> None:
     one = med[counts[0]]["verify_ms"]
     print(f"{cpu_info().model}; {target.compute_label}; {a.threads} threads; context {a.context}")
     extra = " batched turn of n requests ms | turn ÷ tree |" if a.batch else ""
-    print(f"| tokens | verify ms | × first | LM head ms |{extra}\n|---:|---:|---:|---:|{'---:|---:|' if a.batch else ''}")
+    rule = "|---:|---:|---:|---:|" + ("---:|---:|" if a.batch else "")
+    print(f"| tokens | verify ms | × first | LM head ms |{extra}\n{rule}")
     for n in counts:
         row = f"| {n} | {med[n]['verify_ms']:.2f} | {med[n]['verify_ms'] / one:.2f}× | {med[n]['head_ms']:.2f} |"
         if a.batch:
