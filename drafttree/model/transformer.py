@@ -159,9 +159,15 @@ class Transformer(StackedLayers, CausalLM):
             self.rope_local = RotaryTable(cfg.head_dim, cfg.rope_theta_local or cfg.rope_theta,
                                           cfg.max_position_embeddings, precompute)
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's storage: float16 where the attention kernel reads it (half the bytes each decode step and
+        each request of a batched turn streams; the kernel widens the rows exactly), else the model's dtype."""
+        return torch.float16 if self.attention_kernel is not None else self.dtype
+
     def _new_state(self, max_len: int) -> ModelState:
         cfg = self.config
-        return ModelState(KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len, self.dtype))
+        return ModelState(KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len, self.kv_dtype))
 
     def _mask(self, past: int, t: int, tree_mask: torch.Tensor | None) -> AttentionMask:
         group = self.config.num_heads // self.config.num_kv_heads

@@ -1,4 +1,5 @@
-"""The row-by-row attention kernel against softmax attention, and its batch invariance."""
+"""The row-by-row attention kernel against softmax attention, and its batch invariance; K/V stored as float32 or
+float16 (the kernel paths' caches), float16 rows widened exactly, so the reference runs on the widened rows."""
 import pytest
 import torch
 
@@ -6,6 +7,7 @@ from drafttree.ops.attention import tree_attention, tree_attention_ref
 from runtime_helpers import kernel_isas
 
 ISAS = kernel_isas("avx512f")
+KV = [torch.float32, torch.float16]
 
 
 def ancestor_mask(parents):
@@ -17,27 +19,30 @@ def ancestor_mask(parents):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kv", KV)
 @pytest.mark.parametrize("kv_heads,group,t,past,d", [(3, 3, 1, 100, 64), (3, 3, 16, 37, 64), (2, 1, 5, 0, 16),
                                                      (1, 2, 7, 3, 12), (4, 2, 9, 130, 128)])
-def test_kernel_matches_softmax_attention(isa, kv_heads, group, t, past, d):
+def test_kernel_matches_softmax_attention(isa, kv, kv_heads, group, t, past, d):
     gen = torch.Generator().manual_seed(t + past)
     keys, values = torch.randn(kv_heads, past + t, d, generator=gen), torch.randn(kv_heads, past + t, d, generator=gen)
+    keys, values = keys.to(kv), values.to(kv)
     q = torch.randn(kv_heads, group * t, d, generator=gen)
     tree = ancestor_mask([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, t)])
     for visible in (None, tree):
         out = tree_attention(q, keys, values, past, visible, d**-0.5, isa)
-        ref = tree_attention_ref(q, keys, values, past, visible, d**-0.5)
+        ref = tree_attention_ref(q, keys.float(), values.float(), past, visible, d**-0.5)
         assert torch.allclose(out, ref, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_tree_row_equals_the_one_token_step_bit_for_bit(isa):
+@pytest.mark.parametrize("kv", KV)
+def test_tree_row_equals_the_one_token_step_bit_for_bit(isa, kv):
     """A node sees the committed keys then its ancestors in order, exactly what a one-token step at its
     position sees after the path was committed: same bits."""
     kv_heads, group, d, past = 3, 3, 64, 50
     parents = [-1, 0, 0, 1, 2, 3, 3, 4, 7]
     t, tree = len(parents), ancestor_mask(parents)
-    keys, values = torch.randn(kv_heads, past + t, d), torch.randn(kv_heads, past + t, d)
+    keys, values = torch.randn(kv_heads, past + t, d).to(kv), torch.randn(kv_heads, past + t, d).to(kv)
     q = torch.randn(kv_heads, group * t, d)
     full = tree_attention(q, keys, values, past, tree, 0.125, isa).view(kv_heads, group, t, d)
     for i in range(t):
@@ -66,7 +71,8 @@ def test_query_heads_side_by_side_equal_one_head_at_a_time(isa, group, d):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_batched_requests_equal_each_request_alone(isa, qk_norm):
+@pytest.mark.parametrize("kv", KV)
+def test_batched_requests_equal_each_request_alone(isa, qk_norm, kv):
     """Several requests' rows in one rope_tree_attention_batched call: each request's output and cache rows
     are the bits of its own rope_tree_attention call (the serving and data-generation batches rely on it)."""
     from types import SimpleNamespace
@@ -80,8 +86,8 @@ def test_batched_requests_equal_each_request_alone(isa, qk_norm):
     for m in filter(None, norms):
         m.weight.data = torch.rand(d, generator=gen) + 0.5
     requests = [(1, 30, None), (5, 0, ancestor_mask([-1, 0, 0, 1, 3])), (1, 0, None), (3, 47, ancestor_mask([-1, 0, 1]))]
-    caches = [SimpleNamespace(k=[torch.randn(n_kv, lmax, d, generator=gen)], v=[torch.randn(n_kv, lmax, d, generator=gen)])
-              for _ in requests]
+    caches = [SimpleNamespace(k=[torch.randn(n_kv, lmax, d, generator=gen).to(kv)],
+                              v=[torch.randn(n_kv, lmax, d, generator=gen).to(kv)]) for _ in requests]
     rows = sum(t for t, _, _ in requests)
     qkv = torch.randn(rows, (n_heads + 2 * n_kv) * d, generator=gen)
     angles = torch.rand(rows, d, generator=gen) * 6
@@ -97,3 +103,36 @@ def test_batched_requests_equal_each_request_alone(isa, qk_norm):
                                   *norms)
         assert torch.equal(out[a:b], one)
         assert torch.equal(cache.k[0], alone.k[0]) and torch.equal(cache.v[0], alone.v[0])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_float16_cache_rows_are_the_float_rows_rounded(isa):
+    """rope_tree_attention writes a float16 cache's new rows as torch rounds the float32 rows (nearest even)."""
+    from drafttree.ops.attention import rope_tree_attention
+
+    n_heads, n_kv, d, lmax, past, t = 6, 2, 64, 48, 20, 4
+    gen = torch.Generator().manual_seed(7)
+    k16, v16 = torch.randn(n_kv, lmax, d, generator=gen).half(), torch.randn(n_kv, lmax, d, generator=gen).half()
+    k32, v32 = k16.float(), v16.float()
+    qkv = torch.randn(t, (n_heads + 2 * n_kv) * d, generator=gen) * 3
+    angles = torch.rand(t, d, generator=gen) * 6
+    mask = ancestor_mask([-1, 0, 1, 1])
+    out16 = rope_tree_attention(qkv, angles.cos(), angles.sin(), k16, v16, past, mask, n_heads, n_kv, isa)
+    out32 = rope_tree_attention(qkv, angles.cos(), angles.sin(), k32, v32, past, mask, n_heads, n_kv, isa)
+    assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half())
+    assert torch.allclose(out16, out32, atol=1e-2)  # the float32 call attends over its unrounded new rows
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_float16_rows_are_widened_exactly(isa):
+    """Attention over float16 K/V is attention over the same rows widened to float32, bit for bit: the kernels
+    widen on load and run the float32 instructions after."""
+    kv_heads, group, d, past, t = 3, 3, 64, 70, 5
+    gen = torch.Generator().manual_seed(8)
+    keys = torch.randn(kv_heads, past + t, d, generator=gen).half()
+    values = torch.randn(kv_heads, past + t, d, generator=gen).half()
+    q = torch.randn(kv_heads, group * t, d, generator=gen)
+    tree = ancestor_mask([-1, 0, 0, 2, 1])
+    for visible in (None, tree):
+        half = tree_attention(q, keys, values, past, visible, 0.125, isa)
+        assert torch.equal(half, tree_attention(q, keys.float(), values.float(), past, visible, 0.125, isa))

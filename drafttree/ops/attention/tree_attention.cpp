@@ -9,6 +9,10 @@
 //
 // Row r of q (stacked as [kv_heads, group * T, d], r = g * T + t) sees every cached key before `past`
 // and, among the T new keys, key i when visible[t, i] (causal when no mask is given).
+//
+// Keys and values are float32 or float16 (the kernel paths' KV caches: a decode step reads every cached row, and on
+// a small CPU that is memory-bound, so half the bytes); float16 rows are widened exactly to float32 as they load,
+// and everything after runs as for float32 rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -29,12 +33,25 @@ using drafttree::exp512;
 
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
+// ---- K/V rows as stored: float32, or float16 bits (uint16_t) widened on load -------------------------------
+inline float kv_at(const float* p) { return *p; }
+inline float kv_at(const uint16_t* p) { return c10::detail::fp16_ieee_to_fp32_value(*p); }
+__attribute__((target("avx512f"))) inline __m512 kv16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 kv16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+__attribute__((target("avx2,fma,f16c"))) inline __m256 kv8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma,f16c"))) inline __m256 kv8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // ---- one query row ---------------------------------------------------------------------------------
-// keys/values: rows `d` floats apart; `idx` lists the visible key rows in order; `w` is n floats of scratch.
+// keys/values: rows `d` elements apart; `idx` lists the visible key rows in order; `w` is n floats of scratch.
+template <typename KV>
 struct Row {
   const float* q;
-  const float* keys;
-  const float* values;
+  const KV* keys;
+  const KV* values;
   const int32_t* idx;
   int64_t n, d;
   float scale;
@@ -42,12 +59,13 @@ struct Row {
   float* out;
 };
 
-void row_scalar(const Row& a) {
+template <typename KV>
+void row_scalar(const Row<KV>& a) {
   float m = -INFINITY;
   for (int64_t j = 0; j < a.n; ++j) {
-    const float* k = a.keys + a.idx[j] * a.d;
+    const KV* k = a.keys + a.idx[j] * a.d;
     float s = 0.f;
-    for (int64_t c = 0; c < a.d; ++c) s += a.q[c] * k[c];
+    for (int64_t c = 0; c < a.d; ++c) s += a.q[c] * kv_at(k + c);
     a.w[j] = s * a.scale;
     m = std::fmax(m, a.w[j]);
   }
@@ -55,23 +73,24 @@ void row_scalar(const Row& a) {
   for (int64_t j = 0; j < a.n; ++j) sum += (a.w[j] = std::exp(a.w[j] - m));
   for (int64_t c = 0; c < a.d; ++c) a.out[c] = 0.f;
   for (int64_t j = 0; j < a.n; ++j) {
-    const float* v = a.values + a.idx[j] * a.d;
-    for (int64_t c = 0; c < a.d; ++c) a.out[c] += a.w[j] * v[c];
+    const KV* v = a.values + a.idx[j] * a.d;
+    for (int64_t c = 0; c < a.d; ++c) a.out[c] += a.w[j] * kv_at(v + c);
   }
   const float inv = 1.f / sum;
   for (int64_t c = 0; c < a.d; ++c) a.out[c] *= inv;
 }
 
 // d must be a multiple of 16 (the caller falls back to the scalar row otherwise).
-__attribute__((target("avx512f"))) void row_avx512(const Row& a) {
+template <typename KV>
+__attribute__((target("avx512f"))) void row_avx512(const Row<KV>& a) {
   const int64_t nv = a.d / 16;
   __m512 q[8];  // head_dim <= 128
   for (int64_t c = 0; c < nv; ++c) q[c] = _mm512_loadu_ps(a.q + 16 * c);
   float m = -INFINITY;
   for (int64_t j = 0; j < a.n; ++j) {
-    const float* k = a.keys + a.idx[j] * a.d;
-    __m512 acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
-    for (int64_t c = 1; c < nv; ++c) acc = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + 16 * c), acc);
+    const KV* k = a.keys + a.idx[j] * a.d;
+    __m512 acc = _mm512_mul_ps(q[0], kv16(k));
+    for (int64_t c = 1; c < nv; ++c) acc = _mm512_fmadd_ps(q[c], kv16(k + 16 * c), acc);
     a.w[j] = _mm512_reduce_add_ps(acc) * a.scale;
     m = std::fmax(m, a.w[j]);
   }
@@ -93,9 +112,9 @@ __attribute__((target("avx512f"))) void row_avx512(const Row& a) {
   __m512 o[8];
   for (int64_t c = 0; c < nv; ++c) o[c] = _mm512_setzero_ps();
   for (j = 0; j < a.n; ++j) {
-    const float* v = a.values + a.idx[j] * a.d;
+    const KV* v = a.values + a.idx[j] * a.d;
     const __m512 p = _mm512_set1_ps(a.w[j]);
-    for (int64_t c = 0; c < nv; ++c) o[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), o[c]);
+    for (int64_t c = 0; c < nv; ++c) o[c] = _mm512_fmadd_ps(p, kv16(v + 16 * c), o[c]);
   }
   const __m512 inv = _mm512_set1_ps(1.f / sum);
   for (int64_t c = 0; c < nv; ++c) _mm512_storeu_ps(a.out + 16 * c, _mm512_mul_ps(o[c], inv));
@@ -123,9 +142,9 @@ __attribute__((target("avx512f"))) inline __m512 hsum16(const __m512* v) {
 // function of its query and its visible keys alone: the same bits in a one-token step and in a tree, and
 // whatever G (tests/ops). Each value row is loaded once for all G rows; a key row once per row (16 keys x G
 // rows of accumulators would not fit the 32 vector registers), the repeats from L1.
-template <int G, int NV>
-__attribute__((target("avx512f"))) void rows_avx512(const Row* r) {
-  const Row& a = r[0];  // keys, values, idx, n, d, scale: shared by the G rows
+template <typename KV, int G, int NV>
+__attribute__((target("avx512f"))) void rows_avx512(const Row<KV>* r) {
+  const Row<KV>& a = r[0];  // keys, values, idx, n, d, scale: shared by the G rows
   __m512 q[G][NV];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NV; ++c) q[g][c] = _mm512_loadu_ps(r[g].q + 16 * c);
@@ -142,9 +161,9 @@ __attribute__((target("avx512f"))) void rows_avx512(const Row* r) {
           acc[j] = _mm512_setzero_ps();
           continue;
         }
-        const float* k = a.keys + a.idx[j0 + j] * a.d;
-        acc[j] = _mm512_mul_ps(q[g][0], _mm512_loadu_ps(k));
-        for (int c = 1; c < NV; ++c) acc[j] = _mm512_fmadd_ps(q[g][c], _mm512_loadu_ps(k + 16 * c), acc[j]);
+        const KV* k = a.keys + a.idx[j0 + j] * a.d;
+        acc[j] = _mm512_mul_ps(q[g][0], kv16(k));
+        for (int c = 1; c < NV; ++c) acc[j] = _mm512_fmadd_ps(q[g][c], kv16(k + 16 * c), acc[j]);
       }
       const __m512 sc = _mm512_mul_ps(hsum16(acc), scale);
       _mm512_mask_storeu_ps(r[g].w + j0, mk, sc);
@@ -174,9 +193,9 @@ __attribute__((target("avx512f"))) void rows_avx512(const Row* r) {
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NV; ++c) o[g][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < a.n; ++j) {
-    const float* v = a.values + a.idx[j] * a.d;
+    const KV* v = a.values + a.idx[j] * a.d;
     __m512 vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+    for (int c = 0; c < NV; ++c) vv[c] = kv16(v + 16 * c);
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(r[g].w[j]);
       for (int c = 0; c < NV; ++c) o[g][c] = _mm512_fmadd_ps(p, vv[c], o[g][c]);
@@ -188,23 +207,27 @@ __attribute__((target("avx512f"))) void rows_avx512(const Row* r) {
   }
 }
 
-using GroupFn = void (*)(const Row*);
+template <typename KV>
+using GroupFn = void (*)(const Row<KV>*);
 
 // The grouped kernel for head_dim d: (kernel by group size - 1, the largest group), or {nullptr, 0} (then
 // one row at a time). Query heads beyond the largest group run in further groups, with the same bits.
+template <typename KV>
 struct Grouped {
-  const GroupFn* fns;
+  const GroupFn<KV>* fns;
   int64_t max_group;
 };
-Grouped grouped_avx512(int64_t d) {
-  static const GroupFn d64[4] = {rows_avx512<1, 4>, rows_avx512<2, 4>, rows_avx512<3, 4>, rows_avx512<4, 4>};
-  static const GroupFn d128[2] = {rows_avx512<1, 8>, rows_avx512<2, 8>};
+template <typename KV>
+Grouped<KV> grouped_avx512(int64_t d) {
+  static const GroupFn<KV> d64[4] = {rows_avx512<KV, 1, 4>, rows_avx512<KV, 2, 4>, rows_avx512<KV, 3, 4>,
+                                     rows_avx512<KV, 4, 4>};
+  static const GroupFn<KV> d128[2] = {rows_avx512<KV, 1, 8>, rows_avx512<KV, 2, 8>};
   if (d == 64) return {d64, 4};
   if (d == 128) return {d128, 2};
   return {nullptr, 0};
 }
 
-__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
+__attribute__((target("avx2,fma,f16c"))) inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -213,7 +236,7 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
 
 // exp(w[j] - m) in place over n scores, 8 at a time, the tail one lane at a time through the same
 // polynomial; returns their sum (the vector part reduced by hsum256, then the tail in order).
-__attribute__((target("avx2,fma"))) float softmax_numerators_avx2(float* w, int64_t n, float m) {
+__attribute__((target("avx2,fma,f16c"))) float softmax_numerators_avx2(float* w, int64_t n, float m) {
   const __m256 vm = _mm256_set1_ps(m);
   __m256 vsum = _mm256_setzero_ps();
   int64_t j = 0;
@@ -232,13 +255,14 @@ __attribute__((target("avx2,fma"))) float softmax_numerators_avx2(float* w, int6
 }
 
 // d must be a multiple of 8.
-__attribute__((target("avx2,fma"))) void row_avx2(const Row& a) {
+template <typename KV>
+__attribute__((target("avx2,fma,f16c"))) void row_avx2(const Row<KV>& a) {
   const int64_t nv = a.d / 8;
   float m = -INFINITY;
   for (int64_t j = 0; j < a.n; ++j) {
-    const float* k = a.keys + a.idx[j] * a.d;
-    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a.q), _mm256_loadu_ps(k));
-    for (int64_t c = 1; c < nv; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a.q + 8 * c), _mm256_loadu_ps(k + 8 * c), acc);
+    const KV* k = a.keys + a.idx[j] * a.d;
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a.q), kv8(k));
+    for (int64_t c = 1; c < nv; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a.q + 8 * c), kv8(k + 8 * c), acc);
     a.w[j] = hsum256(acc) * a.scale;
     m = std::fmax(m, a.w[j]);
   }
@@ -247,9 +271,9 @@ __attribute__((target("avx2,fma"))) void row_avx2(const Row& a) {
     const int64_t cn = std::min<int64_t>(4, nv - c0);
     __m256 o[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t j = 0; j < a.n; ++j) {
-      const float* v = a.values + a.idx[j] * a.d + 8 * c0;
+      const KV* v = a.values + a.idx[j] * a.d + 8 * c0;
       const __m256 p = _mm256_set1_ps(a.w[j]);
-      for (int64_t c = 0; c < cn; ++c) o[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), o[c]);
+      for (int64_t c = 0; c < cn; ++c) o[c] = _mm256_fmadd_ps(p, kv8(v + 8 * c), o[c]);
     }
     const __m256 inv = _mm256_set1_ps(1.f / sum);
     for (int64_t c = 0; c < cn; ++c) _mm256_storeu_ps(a.out + 8 * (c0 + c), _mm256_mul_ps(o[c], inv));
@@ -258,7 +282,7 @@ __attribute__((target("avx2,fma"))) void row_avx2(const Row& a) {
 
 // The 8 horizontal sums of v[0..7] as one vector (lane j = hsum256(v[j]), the same bits): hsum256's three
 // pairwise steps (128-bit halves, then lanes 2 apart, then neighbours) for 8 keys at once.
-__attribute__((target("avx2,fma"))) inline __m256 hsum8(const __m256* v) {
+__attribute__((target("avx2,fma,f16c"))) inline __m256 hsum8(const __m256* v) {
   __m256 a[4], b[2];
   for (int i = 0; i < 4; ++i)  // 128-bit lane 0: v[2i]'s low + high half; lane 1: v[2i+1]'s
     a[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20), _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
@@ -272,9 +296,9 @@ __attribute__((target("avx2,fma"))) inline __m256 hsum8(const __m256* v) {
 // G query rows that see the same keys, NV = d / 8: row_avx2's bits (tests/ops), with the scores of 8 keys
 // at a time (8 independent accumulator chains, one shuffle network instead of 8 horizontal sums) and each
 // value row loaded once for all G rows.
-template <int G, int NV>
-__attribute__((target("avx2,fma"))) void rows_avx2(const Row* r) {
-  const Row& a = r[0];  // keys, values, idx, n, d, scale: shared by the G rows
+template <typename KV, int G, int NV>
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Row<KV>* r) {
+  const Row<KV>& a = r[0];  // keys, values, idx, n, d, scale: shared by the G rows
   const __m256 scale = _mm256_set1_ps(a.scale);
   float m[G];
   for (int g = 0; g < G; ++g) {
@@ -289,9 +313,9 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Row* r) {
           acc[j] = _mm256_setzero_ps();
           continue;
         }
-        const float* k = a.keys + a.idx[j0 + j] * a.d;
-        acc[j] = _mm256_mul_ps(q[0], _mm256_loadu_ps(k));
-        for (int c = 1; c < NV; ++c) acc[j] = _mm256_fmadd_ps(q[c], _mm256_loadu_ps(k + 8 * c), acc[j]);
+        const KV* k = a.keys + a.idx[j0 + j] * a.d;
+        acc[j] = _mm256_mul_ps(q[0], kv8(k));
+        for (int c = 1; c < NV; ++c) acc[j] = _mm256_fmadd_ps(q[c], kv8(k + 8 * c), acc[j]);
       }
       const __m256 sc = _mm256_mul_ps(hsum8(acc), scale);
       if (kn == 8) {
@@ -316,10 +340,10 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Row* r) {
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < CW; ++c) o[g][c] = _mm256_setzero_ps();
     for (int64_t j = 0; j < a.n; ++j) {
-      const float* v = a.values + a.idx[j] * a.d + 8 * c0;
+      const KV* v = a.values + a.idx[j] * a.d + 8 * c0;
       for (int g = 0; g < G; ++g) {
         const __m256 p = _mm256_set1_ps(r[g].w[j]);
-        for (int c = 0; c < cn; ++c) o[g][c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), o[g][c]);
+        for (int c = 0; c < cn; ++c) o[g][c] = _mm256_fmadd_ps(p, kv8(v + 8 * c), o[g][c]);
       }
     }
     for (int g = 0; g < G; ++g) {
@@ -329,9 +353,11 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Row* r) {
   }
 }
 
-Grouped grouped_avx2(int64_t d) {
-  static const GroupFn d64[4] = {rows_avx2<1, 8>, rows_avx2<2, 8>, rows_avx2<3, 8>, rows_avx2<4, 8>};
-  static const GroupFn d128[4] = {rows_avx2<1, 16>, rows_avx2<2, 16>, rows_avx2<3, 16>, rows_avx2<4, 16>};
+template <typename KV>
+Grouped<KV> grouped_avx2(int64_t d) {
+  static const GroupFn<KV> d64[4] = {rows_avx2<KV, 1, 8>, rows_avx2<KV, 2, 8>, rows_avx2<KV, 3, 8>, rows_avx2<KV, 4, 8>};
+  static const GroupFn<KV> d128[4] = {rows_avx2<KV, 1, 16>, rows_avx2<KV, 2, 16>, rows_avx2<KV, 3, 16>,
+                                      rows_avx2<KV, 4, 16>};
   if (d == 64) return {d64, 4};
   if (d == 128) return {d128, 4};
   return {nullptr, 0};
@@ -341,7 +367,8 @@ Grouped grouped_avx2(int64_t d) {
 struct Problem {
   int64_t H, G, T, past, d;
   const bool* visible;  // [T, T] or nullptr (causal)
-  const float *keys, *values;
+  const void *keys, *values;  // float, or float16 bits (uint16_t) when `half`
+  bool half;
   int64_t key_head_stride, value_head_stride;
   float scale;
   int64_t isa;
@@ -359,13 +386,13 @@ int64_t visible_idx(const Problem& pb, int64_t t, int32_t* idx) {
 // Every item of several problems (one per request of a batch) in one parallel loop; q_and_out(p, h, g, t)
 // gives problem p's query and output rows. An item runs the same instructions whatever else is in the
 // loop, so a request's rows get the same bits alone or batched.
-template <typename QOut>
-void run_rows(const std::vector<Problem>& pbs, QOut q_and_out) {
-  if (pbs.empty()) return;
+template <typename KV, typename QOut>
+void run_rows_of(const std::vector<Problem>& pbs, QOut q_and_out) {
   const Problem& first = pbs.front();  // d and isa are the same for every problem
   int64_t fast = first.isa;
   if ((fast == kAvx512 && (first.d % 16 || first.d > 128)) || (fast == kAvx2 && first.d % 8)) fast = kScalar;
-  const Grouped grouped = fast == kAvx512 ? grouped_avx512(first.d) : fast == kAvx2 ? grouped_avx2(first.d) : Grouped{nullptr, 0};
+  const Grouped<KV> grouped = fast == kAvx512 ? grouped_avx512<KV>(first.d)
+                              : fast == kAvx2 ? grouped_avx2<KV>(first.d) : Grouped<KV>{nullptr, 0};
   // one item per (kv head, new row, group of its query heads) when grouped: they see the same keys
   const int64_t gs = grouped.fns ? std::min(first.G, grouped.max_group) : 1, groups = (first.G + gs - 1) / gs;
   std::vector<int64_t> ends(pbs.size());
@@ -378,7 +405,7 @@ void run_rows(const std::vector<Problem>& pbs, QOut q_and_out) {
   at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> idx(widest);
     std::vector<float> w(gs * widest);
-    Row rows[4];
+    Row<KV> rows[4];
     int64_t p = std::upper_bound(ends.begin(), ends.end(), begin) - ends.begin();
     for (int64_t it = begin; it < end; ++it) {
       while (it >= ends[p]) ++p;
@@ -389,8 +416,9 @@ void run_rows(const std::vector<Problem>& pbs, QOut q_and_out) {
         const int64_t n = visible_idx(pb, t, idx.data()), gn = std::min(gs, pb.G - g0);
         for (int64_t g = 0; g < gn; ++g) {
           const auto [q, out] = q_and_out(p, h, g0 + g, t);
-          rows[g] = Row{q, pb.keys + h * pb.key_head_stride, pb.values + h * pb.value_head_stride, idx.data(), n,
-                        pb.d, pb.scale, w.data() + g * widest, out};
+          rows[g] = Row<KV>{q, static_cast<const KV*>(pb.keys) + h * pb.key_head_stride,
+                            static_cast<const KV*>(pb.values) + h * pb.value_head_stride, idx.data(), n, pb.d,
+                            pb.scale, w.data() + g * widest, out};
         }
         grouped.fns[gn - 1](rows);
         continue;
@@ -398,8 +426,9 @@ void run_rows(const std::vector<Problem>& pbs, QOut q_and_out) {
       const int64_t h = local / (pb.G * pb.T), g = local / pb.T % pb.G, t = local % pb.T;
       const int64_t n = visible_idx(pb, t, idx.data());
       const auto [q, out] = q_and_out(p, h, g, t);
-      const Row row{q, pb.keys + h * pb.key_head_stride, pb.values + h * pb.value_head_stride, idx.data(), n, pb.d,
-                    pb.scale, w.data(), out};
+      const Row<KV> row{q, static_cast<const KV*>(pb.keys) + h * pb.key_head_stride,
+                        static_cast<const KV*>(pb.values) + h * pb.value_head_stride, idx.data(), n, pb.d, pb.scale,
+                        w.data(), out};
       if (fast == kAvx512)
         row_avx512(row);
       else if (fast == kAvx2)
@@ -408,6 +437,17 @@ void run_rows(const std::vector<Problem>& pbs, QOut q_and_out) {
         row_scalar(row);
     }
   });
+}
+
+// run_rows_of for the problems' K/V storage (one kind per call: a model's caches share it).
+template <typename QOut>
+void run_rows(const std::vector<Problem>& pbs, QOut q_and_out) {
+  if (pbs.empty()) return;
+  for (const Problem& pb : pbs) TORCH_CHECK(pb.half == pbs.front().half, "tree_attention: K/V dtypes differ");
+  if (pbs.front().half)
+    run_rows_of<uint16_t>(pbs, q_and_out);
+  else
+    run_rows_of<float>(pbs, q_and_out);
 }
 
 // Optional per-head RMSNorm (qwen3-style q_norm / k_norm) then rotate-half RoPE of one head, as
@@ -443,8 +483,10 @@ const bool* mask_ptr(const c10::optional<torch::Tensor>& visible, torch::Tensor&
 // slice); visible: bool [T, T] or None (causal). Returns [Hkv, G*T, d] float32.
 torch::Tensor tree_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t past,
                              c10::optional<torch::Tensor> visible, double scale, int64_t isa) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && keys.scalar_type() == torch::kFloat32 &&
-                  values.scalar_type() == torch::kFloat32, "tree_attention: float32 tensors only");
+  const bool half = keys.scalar_type() == torch::kHalf;
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && (half || keys.scalar_type() == torch::kFloat32) &&
+                  values.scalar_type() == keys.scalar_type(),
+              "tree_attention: q float32; keys and values float32 or float16, both alike");
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "tree_attention: q, keys, values must be 3-D");
   const int64_t H = q.size(0), R = q.size(1), d = q.size(2);
   TORCH_CHECK(keys.size(0) == H && values.size(0) == H && keys.size(2) == d && values.size(2) == d,
@@ -461,7 +503,7 @@ torch::Tensor tree_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor 
   auto out = torch::empty({H, R, d}, q.options());
   float* op = out.data_ptr<float>();
   const float* qp = q.data_ptr<float>();
-  const Problem pb{H, R / T, T, past, d, vis, keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0),
+  const Problem pb{H, R / T, T, past, d, vis, keys.data_ptr(), values.data_ptr(), half, keys.stride(0),
                    values.stride(0), static_cast<float>(scale), isa};
   run_rows({pb}, [&](int64_t, int64_t h, int64_t g, int64_t t) {
     const int64_t r = (h * pb.G + g) * T + t;
@@ -500,23 +542,37 @@ torch::Tensor norm_weight(const c10::optional<torch::Tensor>& w) {
 // rotated and v copied into the cache rows [past, past + T) of kc/vc [Hkv, Lmax, d]. Returns its Problem.
 Problem rope_rows(const RopeArgs& a, const float* src, const float* cp, const float* sp, int64_t T,
                   const torch::Tensor& kc, const torch::Tensor& vc, int64_t past, const bool* vis, float* qp) {
-  TORCH_CHECK(kc.scalar_type() == torch::kFloat32 && vc.scalar_type() == torch::kFloat32,
-              "rope_tree_attention: float32 tensors only");
+  const bool half = kc.scalar_type() == torch::kHalf;
+  TORCH_CHECK((half || kc.scalar_type() == torch::kFloat32) && vc.scalar_type() == kc.scalar_type(),
+              "rope_tree_attention: the caches must be float32 or float16, both alike");
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 3 && kc.sizes() == vc.sizes() &&
                   kc.size(0) == a.n_kv && kc.size(2) == a.d,
               "rope_tree_attention: kc/vc must be contiguous [Hkv, Lmax, d]");
   TORCH_CHECK(past >= 0 && past + T <= kc.size(1), "rope_tree_attention: the cache has no room for T new rows");
   const int64_t d = a.d, Lmax = kc.size(1);
-  float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  void *kp = kc.data_ptr(), *vp = vc.data_ptr();
+  float krot[256];
   for (int64_t t = 0; t < T; ++t) {
     const float* row = src + t * a.width;
     for (int64_t h = 0; h < a.n_heads; ++h) rope(row + h * d, cp + t * d, sp + t * d, d, a.qn, a.eps, qp + (h * T + t) * d);
     for (int64_t h = 0; h < a.n_kv; ++h) {
-      rope(row + (a.n_heads + h) * d, cp + t * d, sp + t * d, d, a.kn, a.eps, kp + (h * Lmax + past + t) * d);
-      std::memcpy(vp + (h * Lmax + past + t) * d, row + (a.n_heads + a.n_kv + h) * d, d * sizeof(float));
+      const int64_t at = (h * Lmax + past + t) * d;
+      const float* v = row + (a.n_heads + a.n_kv + h) * d;
+      if (!half) {
+        rope(row + (a.n_heads + h) * d, cp + t * d, sp + t * d, d, a.kn, a.eps, static_cast<float*>(kp) + at);
+        std::memcpy(static_cast<float*>(vp) + at, v, d * sizeof(float));
+        continue;
+      }
+      // float16 rows rounded to nearest even, as torch's float -> half copy rounds them
+      rope(row + (a.n_heads + h) * d, cp + t * d, sp + t * d, d, a.kn, a.eps, krot);
+      uint16_t *kh = static_cast<uint16_t*>(kp) + at, *vh = static_cast<uint16_t*>(vp) + at;
+      for (int64_t c = 0; c < d; ++c) {
+        kh[c] = c10::detail::fp16_ieee_from_fp32_value(krot[c]);
+        vh[c] = c10::detail::fp16_ieee_from_fp32_value(v[c]);
+      }
     }
   }
-  return Problem{a.n_kv, a.n_heads / a.n_kv, T, past, d, vis, kp, vp, Lmax * d, Lmax * d, a.scale, a.isa};
+  return Problem{a.n_kv, a.n_heads / a.n_kv, T, past, d, vis, kp, vp, half, Lmax * d, Lmax * d, a.scale, a.isa};
 }
 
 }  // namespace
