@@ -15,7 +15,7 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / "bindings.cpp", HERE / "int8" / "int8_linear.cpp", HERE / "attention" / "tree_attention.cpp",
            HERE / "pointwise" / "pointwise.cpp", HERE / "q4" / "q4_linear.cpp", HERE / "decoder" / "decoder_stack.cpp",
            HERE / "gdn" / "gdn_tree.cpp", HERE / "gdn" / "gdn_step.cpp"]
-HEADERS = [HERE / "vec_math.h"]
+HEADERS = [HERE / "vec_math.h", HERE / "kernels.h"]
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}  # the attention kernel reads 2 as plain AVX-512
 
 

@@ -25,6 +25,16 @@ def run(model, prompt, tokens, mask, capture):
     return [(o.logits, o.features) for o in outs], st.kv.k[:, :, :n].clone(), st.kv.v[:, :, :n].clone()
 
 
+def on_isa(model, isa):
+    """Every kernel of `model` on one ISA path."""
+    for m in model.modules():
+        if hasattr(m, "isa"):
+            m.isa = isa
+        if hasattr(m, "kernel_isa") and m.kernel_isa is not None:
+            m.kernel_isa = isa
+    model.attention_kernel = isa
+
+
 def same(a, b):
     (outs_a, ka, va), (outs_b, kb, vb) = a, b
     assert torch.equal(ka, kb) and torch.equal(va, vb)
@@ -38,12 +48,7 @@ def same(a, b):
 def test_stack_equals_the_layer_loop(tiny_checkpoint, compute, isa):
     target = load_target(str(tiny_checkpoint[0]), compute=compute)
     model = target.model
-    for m in model.modules():  # every kernel on this ISA
-        if hasattr(m, "isa"):
-            m.isa = isa
-        if hasattr(m, "kernel_isa") and m.kernel_isa is not None:
-            m.kernel_isa = isa
-    model.attention_kernel = isa
+    on_isa(model, isa)
     stack = DecoderStack.of(model)
     assert stack is not None
     gen = torch.Generator().manual_seed(3)
@@ -111,12 +116,7 @@ def test_batched_stack_equals_the_segment_loop(tiny_checkpoint, compute, isa):
     a one-token row among them."""
     target = load_target(str(tiny_checkpoint[0]), compute=compute)
     model = target.model
-    for m in model.modules():
-        if hasattr(m, "isa"):
-            m.isa = isa
-        if hasattr(m, "kernel_isa") and m.kernel_isa is not None:
-            m.kernel_isa = isa
-    model.attention_kernel = isa
+    on_isa(model, isa)
     stack = DecoderStack.of(model)
     gen = torch.Generator().manual_seed(4)
     vocab = model.config.vocab_size

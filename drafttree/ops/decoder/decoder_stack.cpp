@@ -6,19 +6,7 @@
 
 #include <vector>
 
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor sw, torch::Tensor wsum,
-                          c10::optional<torch::Tensor> bias, int64_t n_out, int64_t isa);
-torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m,
-                        c10::optional<torch::Tensor> bias, int64_t n_out, int64_t isa);
-torch::Tensor rope_tree_attention_batched(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                                          const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs,
-                                          const std::vector<int64_t>& pasts,
-                                          const std::vector<c10::optional<torch::Tensor>>& visibles,
-                                          const std::vector<int64_t>& row_ends, int64_t n_heads, int64_t n_kv,
-                                          double scale, c10::optional<torch::Tensor> q_norm,
-                                          c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, int64_t isa);
-torch::Tensor silu_mul(torch::Tensor gate_up, int64_t isa);
+#include "../kernels.h"
 
 namespace {
 

@@ -66,9 +66,14 @@ def test_chat_streamed_and_not_equals_offline(smol, method):
 
 def test_reply_that_ends_with_the_stop_token(smol):
     target, decoder, c, _ = smol
-    text = "Reply with only the word: yes"
-    want = offline(target, decoder, text, "caddtree-online", 48)
-    assert want.tokens[-1] in target.stop_token_ids  # the model ends its reply itself
+    # the first of these the model answers in under 48 tokens, ending its reply itself (which one does depends on the
+    # compute path's rounding: the float16 KV cache moved "yes" past 48 tokens)
+    for text in ("Reply with only the word: yes", "Answer with one word: yes or no? Is water wet?",
+                 "Say hello in one word."):
+        want = offline(target, decoder, text, "caddtree-online", 48)
+        if want.tokens[-1] in target.stop_token_ids:
+            break
+    assert want.tokens[-1] in target.stop_token_ids
     r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=48,
                                   temperature=0)
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == target.decode(want.tokens)
