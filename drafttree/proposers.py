@@ -355,27 +355,28 @@ class DFlashProposer:
     def build_tree(self, state: DFlashState, root: int, logits: Scores | None, start: int) -> DraftTree:
         if logits is None:
             return DraftTree.from_parents([root], [-1])
-        tree = self.policy.build(state.policy, root, logits, start, self.draft_token_ids)
-        if self.follow_depth:
-            self.follow(state, int(tree.depths.max()))
-        return tree
+        return self._followed(state, self.policy.build(state.policy, root, logits, start, self.draft_token_ids))
 
     def build_trees(self, states: list[DFlashState], roots: list[int], drafted: list[Scores | None],
                     starts: list[int], turn: BatchTurn) -> list[DraftTree]:
         """`build_tree` for the requests of one batched turn: the policy builds the drafted ones' trees (CaDDTree sizes
         them together); plain rounds are the root alone."""
         drafting = [(i, x) for i, x in enumerate(drafted) if x is not None]
-        trees = [DraftTree.from_parents([root], [-1]) for root in roots]
+        trees = [DraftTree.from_parents([root], [-1]) for root in roots]  # plain rounds: the root alone
         if not drafting:
             return trees
         built = self.policy.build_many([states[i].policy for i, _ in drafting], [roots[i] for i, _ in drafting],
                                        [x for _, x in drafting], [starts[i] for i, _ in drafting],
                                        self.draft_token_ids, turn)
         for (i, _), tree in zip(drafting, built):
-            trees[i] = tree
-            if self.follow_depth:
-                self.follow(states[i], int(tree.depths.max()))
+            trees[i] = self._followed(states[i], tree)
         return trees
+
+    def _followed(self, state: DFlashState, tree: DraftTree) -> DraftTree:
+        """`tree`, after the request's next block is set to follow it (follow_depth)."""
+        if self.follow_depth:
+            self.follow(state, int(tree.depths.max()))
+        return tree
 
     def follow(self, state: DFlashState, deepest: int) -> None:
         """For follow_depth (its callers check it): the next round drafts one depth past this round's deepest drafted
