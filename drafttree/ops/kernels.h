@@ -20,6 +20,14 @@ torch::Tensor rope_tree_attention_batched(torch::Tensor qkv, torch::Tensor cos, 
                                           const std::vector<int64_t>& row_ends, int64_t n_heads, int64_t n_kv,
                                           double scale, c10::optional<torch::Tensor> q_norm,
                                           c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa);
+// rope_tree_attention_batched on layer `layer` of per-request caches [L, Hkv, Lmax, d] (addressed in place)
+torch::Tensor rope_tree_attention_layer(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                        const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs,
+                                        int64_t layer, const std::vector<int64_t>& pasts,
+                                        const std::vector<c10::optional<torch::Tensor>>& visibles,
+                                        const std::vector<int64_t>& row_ends, int64_t n_heads, int64_t n_kv,
+                                        double scale, c10::optional<torch::Tensor> q_norm,
+                                        c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa);
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m,
                         c10::optional<torch::Tensor> bias, int64_t n_out, int64_t isa);
 int64_t amx_mode(int64_t mode);

@@ -522,10 +522,9 @@ struct RopeArgs {
   int64_t isa;
 };
 
-RopeArgs rope_args(const torch::Tensor& qkv, const torch::Tensor& kc, int64_t n_heads, int64_t n_kv, double scale,
+RopeArgs rope_args(const torch::Tensor& qkv, int64_t d, int64_t n_heads, int64_t n_kv, double scale,
                    const torch::Tensor& qn, const torch::Tensor& kn, double norm_eps, int64_t isa) {
   TORCH_CHECK(qkv.scalar_type() == torch::kFloat32, "rope_tree_attention: float32 tensors only");
-  const int64_t d = kc.size(2);
   TORCH_CHECK(n_heads % n_kv == 0 && qkv.size(1) == (n_heads + 2 * n_kv) * d,
               "rope_tree_attention: qkv width does not match the heads");
   TORCH_CHECK(d <= 256, "rope_tree_attention: head_dim above 256");
@@ -539,18 +538,23 @@ torch::Tensor norm_weight(const c10::optional<torch::Tensor>& w) {
 }
 
 // One request's T rows (qkv rows `src`, cos/sin rows `cp`/`sp`): q rotated into qp [n_heads, T, d], k
-// rotated and v copied into the cache rows [past, past + T) of kc/vc [Hkv, Lmax, d]. Returns its Problem.
+// rotated and v copied into the cache rows [past, past + T) of kc/vc — [Hkv, Lmax, d], or layer `layer` of
+// [L, Hkv, Lmax, d] (addressed in place: a decoder stack's layer loop makes no tensor per layer and request).
+// Returns its Problem.
 Problem rope_rows(const RopeArgs& a, const float* src, const float* cp, const float* sp, int64_t T,
-                  const torch::Tensor& kc, const torch::Tensor& vc, int64_t past, const bool* vis, float* qp) {
+                  const torch::Tensor& kc, const torch::Tensor& vc, int64_t layer, int64_t past, const bool* vis,
+                  float* qp) {
   const bool half = kc.scalar_type() == torch::kHalf;
   TORCH_CHECK((half || kc.scalar_type() == torch::kFloat32) && vc.scalar_type() == kc.scalar_type(),
               "rope_tree_attention: the caches must be float32 or float16, both alike");
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 3 && kc.sizes() == vc.sizes() &&
-                  kc.size(0) == a.n_kv && kc.size(2) == a.d,
-              "rope_tree_attention: kc/vc must be contiguous [Hkv, Lmax, d]");
-  TORCH_CHECK(past >= 0 && past + T <= kc.size(1), "rope_tree_attention: the cache has no room for T new rows");
-  const int64_t d = a.d, Lmax = kc.size(1);
-  void *kp = kc.data_ptr(), *vp = vc.data_ptr();
+  const int64_t lead = kc.dim() - 3;  // 1 for [L, Hkv, Lmax, d]
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && (lead == 0 || lead == 1) && kc.sizes() == vc.sizes() &&
+                  kc.size(lead) == a.n_kv && kc.size(lead + 2) == a.d && 0 <= layer &&
+                  layer < (lead ? kc.size(0) : 1),
+              "rope_tree_attention: kc/vc must be contiguous [Hkv, Lmax, d] or [L, Hkv, Lmax, d] with the layer");
+  const int64_t d = a.d, Lmax = kc.size(lead + 1), offset = lead ? layer * kc.stride(0) * kc.element_size() : 0;
+  TORCH_CHECK(past >= 0 && past + T <= Lmax, "rope_tree_attention: the cache has no room for T new rows");
+  void *kp = static_cast<char*>(kc.data_ptr()) + offset, *vp = static_cast<char*>(vc.data_ptr()) + offset;
   float krot[256];
   for (int64_t t = 0; t < T; ++t) {
     const float* row = src + t * a.width;
@@ -580,19 +584,20 @@ Problem rope_rows(const RopeArgs& a, const float* src, const float* cp, const fl
 // rope_tree_attention for the rows of several requests (row_ends: where each one's rows end in qkv),
 // each against its own cache with its own mask, in one call: every request's rows get the bits they get
 // alone, without one call (and one thread fork) per request and layer.
-torch::Tensor rope_tree_attention_batched(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                                          const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs,
-                                          const std::vector<int64_t>& pasts,
-                                          const std::vector<c10::optional<torch::Tensor>>& visibles,
-                                          const std::vector<int64_t>& row_ends, int64_t n_heads, int64_t n_kv,
-                                          double scale, c10::optional<torch::Tensor> q_norm,
-                                          c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa) {
+// kcs/vcs: per request [Hkv, Lmax, d], or (layer_caches) [L, Hkv, Lmax, d] with `layer` the one to use.
+torch::Tensor rope_tree_attention_layer(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                        const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs,
+                                        int64_t layer, const std::vector<int64_t>& pasts,
+                                        const std::vector<c10::optional<torch::Tensor>>& visibles,
+                                        const std::vector<int64_t>& row_ends, int64_t n_heads, int64_t n_kv,
+                                        double scale, c10::optional<torch::Tensor> q_norm,
+                                        c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa) {
   const size_t S = row_ends.size();
   TORCH_CHECK(S > 0 && kcs.size() == S && vcs.size() == S && pasts.size() == S && visibles.size() == S,
               "rope_tree_attention: one cache, past and mask per request");
   TORCH_CHECK(row_ends.back() == qkv.size(0), "rope_tree_attention: row_ends must end at qkv's rows");
   const torch::Tensor qn = norm_weight(q_norm), kn = norm_weight(k_norm);
-  const RopeArgs a = rope_args(qkv, kcs[0], n_heads, n_kv, scale, qn, kn, norm_eps, isa);
+  const RopeArgs a = rope_args(qkv, kcs[0].size(-1), n_heads, n_kv, scale, qn, kn, norm_eps, isa);
   qkv = qkv.contiguous();
   cos = cos.to(torch::kFloat32).contiguous();
   sin = sin.to(torch::kFloat32).contiguous();
@@ -611,7 +616,7 @@ torch::Tensor rope_tree_attention_batched(torch::Tensor qkv, torch::Tensor cos, 
     int64_t Tm = T;
     const bool* vis = mask_ptr(visibles[s], masks[s], Tm);
     TORCH_CHECK(Tm == T, "rope_tree_attention: visible must be [T, T]");
-    pbs.push_back(rope_rows(a, src + a0 * a.width, cp + a0 * d, sp + a0 * d, T, kcs[s], vcs[s], pasts[s], vis,
+    pbs.push_back(rope_rows(a, src + a0 * a.width, cp + a0 * d, sp + a0 * d, T, kcs[s], vcs[s], layer, pasts[s], vis,
                             qp + a0 * n_heads * d));
     starts.push_back(a0);
   }
@@ -621,6 +626,18 @@ torch::Tensor rope_tree_attention_batched(torch::Tensor qkv, torch::Tensor cos, 
                                            op + (first + t) * n_heads * d + head * d};
   });
   return out;
+}
+
+// rope_tree_attention for the rows of several requests, each against its own cache [Hkv, Lmax, d].
+torch::Tensor rope_tree_attention_batched(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                          const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs,
+                                          const std::vector<int64_t>& pasts,
+                                          const std::vector<c10::optional<torch::Tensor>>& visibles,
+                                          const std::vector<int64_t>& row_ends, int64_t n_heads, int64_t n_kv,
+                                          double scale, c10::optional<torch::Tensor> q_norm,
+                                          c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa) {
+  return rope_tree_attention_layer(qkv, cos, sin, kcs, vcs, 0, pasts, visibles, row_ends, n_heads, n_kv, scale,
+                                   q_norm, k_norm, norm_eps, isa);
 }
 
 // The attention half of a decoder layer in one call: RoPE on q and k of the fused projection qkv

@@ -54,19 +54,15 @@ std::vector<torch::Tensor> decoder_stack_batched(torch::Tensor x, const std::vec
   for (size_t s = 0; s < S; ++s)
     TORCH_CHECK(k_caches[s].dim() == 4 && k_caches[s].size(0) >= L && v_caches[s].sizes() == k_caches[s].sizes(),
                 "decoder_stack: caches must be [layers, Hkv, Lmax, d]");
-  std::vector<torch::Tensor> out{torch::Tensor()}, kcs(S), vcs(S);
+  std::vector<torch::Tensor> out{torch::Tensor()};
   size_t next_capture = 0;
   for (int64_t i = 0; i < L; ++i) {
     const auto& p = layers[i];
     TORCH_CHECK(static_cast<int>(p.size()) == kTensors, "decoder_stack: layer ", i, " must hold ", kTensors, " tensors");
     const int64_t* m = meta.data() + 2 * kLinears * i;
-    for (size_t s = 0; s < S; ++s) {
-      kcs[s] = k_caches[s][i];
-      vcs[s] = v_caches[s][i];
-    }
     const auto qkv = linear(rms_norm(x, p[0], norm_eps, isa), p, m, 0, isa);
-    const auto attn = rope_tree_attention_batched(qkv, cos, sin, kcs, vcs, pasts, visibles, row_ends, n_heads, n_kv,
-                                                  scale, present(p[2]), present(p[3]), qk_norm_eps, isa);
+    const auto attn = rope_tree_attention_layer(qkv, cos, sin, k_caches, v_caches, i, pasts, visibles, row_ends,
+                                                n_heads, n_kv, scale, present(p[2]), present(p[3]), qk_norm_eps, isa);
     x = x + linear(attn, p, m, 1, isa);
     x = x + linear(silu_mul(linear(rms_norm(x, p[1], norm_eps, isa), p, m, 2, isa), isa), p, m, 3, isa);
     if (next_capture < capture.size() && capture[next_capture] == i) {
