@@ -46,7 +46,9 @@ class Target:
         return torch.tensor(ids, dtype=torch.long)
 
     def encode(self, text: str) -> torch.Tensor:
-        return torch.tensor(self._need_tokenizer().encode(text, add_special_tokens=False), dtype=torch.long)
+        """Token ids of a plain-text prompt, with the tokenizer's own special tokens (its BOS where the model's
+        tokenizer adds one, as llama.cpp does: Gemma 3 without its BOS repeats itself)."""
+        return torch.tensor(self._need_tokenizer().encode(text, add_special_tokens=True), dtype=torch.long)
 
     @property
     def compute_path(self) -> str:

@@ -152,6 +152,9 @@ def test_270m_without_a_chat_template_continues_the_text(gemma3_270m):
     ids = gemma3_270m.encode_chat("The capital of France is")
     assert ids.tolist() == gemma3_270m.tokenizer("The capital of France is")["input_ids"]
     assert int(ids[0]) == gemma3_270m.tokenizer.bos_token_id
+    # a plain-text prompt (`generate --no-chat`, the server's text completions) too: without its BOS the model
+    # repeats itself ("The capital of France is France is France is ...")
+    assert gemma3_270m.encode("The capital of France is").tolist() == ids.tolist()
 
 
 def test_a_file_without_a_window_runs_every_layer_global(tmp_path):
