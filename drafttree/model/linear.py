@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 
 from drafttree.ops.int8 import int8_linear, int8_linear_ref, pack_weight, packed_rows, prepare_weight, unpack_weight
-from drafttree.ops.q4 import pack_q4, q4_linear, q4_linear_ref, quantize_q4_1, unpack_q4
+from drafttree.ops.q4 import (pack_q4, pack_q8, q4_linear, q4_linear_ref, q8_linear, quantize_q4_1, quantize_q8_1,
+                              unpack_q4, unpack_q8)
 
 from .layers import FusedKernel, KernelAttention, StackedLayers
 
@@ -85,41 +86,59 @@ class Int8Linear(nn.Module):
 
 class Q4Linear(nn.Module):
     """Drop-in for nn.Linear with GGUF Q4_1 weights (w = d·q + m per block of 32, as the file stores them)
-    and per-row int8 activations (drafttree.ops.q4)."""
+    and int8 activations per block of 32 (drafttree.ops.q4)."""
+
+    bits, kind, buffer = 4, 1, "weight_q4"  # kind: how ops.decoder's C++ stack names the layer's kernel
+    pack, unpack, kernel = staticmethod(pack_q4), staticmethod(unpack_q4), staticmethod(q4_linear)
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None,
                  isa: str = "avx2"):
         super().__init__()
         self.out_features, self.in_features = q.shape
-        packed_q, packed_d, packed_m = pack_q4(q, d, m)
-        self.register_buffer("weight_q4", packed_q)  # uint8 [N/16, K/8, 16, 4]: two nibbles a byte
+        packed_q, packed_d, packed_m = self.pack(q, d, m)
+        self.register_buffer(self.buffer, packed_q)  # uint8 [N/16, K/8, 16, 4] two nibbles a byte (8-bit: [.., K/4, ..])
         self.register_buffer("weight_d", packed_d)   # fp16 [N/16, K/32, 16] block scales
         self.register_buffer("weight_m", packed_m)   # fp16 [N/16, K/32, 16] block minimums
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.isa = isa  # "scalar" | "avx2" | "avx512_vnni" | "reference" (ops.q4.naive, float64 sums)
+
+    @property
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return getattr(self, self.buffer), self.weight_d, self.weight_m
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, isa: str) -> "Q4Linear":
         return cls(*quantize_q4_1(linear.weight.detach()), linear.bias, isa)
 
     def stack_tensors(self) -> tuple[list[torch.Tensor], int, int] | None:
-        """(tensors, kind 1, n_out) as ops.decoder's C++ stack reads a Q4_1 layer (bias None when it has none);
+        """(tensors, kind, n_out) as ops.decoder's C++ stack reads a block layer (bias None when it has none);
         None for the reference path."""
         if self.isa == "reference":
             return None
-        return [self.weight_q4, self.weight_d, self.weight_m, self.bias], 1, self.out_features
+        return [*self.packed, self.bias], self.kind, self.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.isa == "reference":
-            q, d, m = unpack_q4(self.weight_q4, self.weight_d, self.weight_m, self.out_features)
-            y = q4_linear_ref(flat, q, d, m, self.bias)
+            y = q4_linear_ref(flat, *self.unpack(*self.packed, self.out_features), self.bias)
         else:
-            y = q4_linear(flat, self.weight_q4, self.weight_d, self.weight_m, self.bias, self.out_features, self.isa)
+            y = self.kernel(flat, *self.packed, self.bias, self.out_features, self.isa)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, isa={self.isa}"
+
+
+class Q8Linear(Q4Linear):
+    """8-bit blocks of 32 (w = d·q + m, q in 0..255) on the same kernel: GGUF's Q8_0 / Q5_0 / Q5_1 tensors as the file
+    stores them, other types requantized per block (model.gguf_model)."""
+
+    bits, kind, buffer = 8, 2, "weight_q8"
+    pack, unpack, kernel = staticmethod(pack_q8), staticmethod(unpack_q8), staticmethod(q8_linear)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, isa: str) -> "Q8Linear":
+        return cls(*quantize_q8_1(linear.weight.detach()), linear.bias, isa)
 
 
 class Int8TiedEmbedding(nn.Module):

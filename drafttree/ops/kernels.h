@@ -30,6 +30,8 @@ torch::Tensor rope_tree_attention_layer(torch::Tensor qkv, torch::Tensor cos, to
                                         c10::optional<torch::Tensor> k_norm, double norm_eps, int64_t isa);
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m,
                         c10::optional<torch::Tensor> bias, int64_t n_out, int64_t isa);
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m,
+                        c10::optional<torch::Tensor> bias, int64_t n_out, int64_t isa);
 int64_t amx_mode(int64_t mode);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, int64_t isa);
 torch::Tensor silu_mul(torch::Tensor gate_up, int64_t isa);

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from drafttree.load import load_target
-from drafttree.model.linear import Int8Linear
+from drafttree.model.linear import Int8Linear, Q4Linear, Q8Linear
 from drafttree.ops.decoder import DecoderStack
 from runtime_helpers import ancestor_mask, kernel_isas, random_tree_parents
 
@@ -23,6 +23,18 @@ def run(model, prompt, tokens, mask, capture):
     outs.append(model.forward(st, tokens, positions=past + mask.sum(1) - 1, tree_mask=mask, capture_layers=capture))
     n = past + tokens.numel()
     return [(o.logits, o.features) for o in outs], st.kv.k[:, :, :n].clone(), st.kv.v[:, :, :n].clone()
+
+
+def load(checkpoint, compute):
+    """The tiny model on a kernel path; "q8": the q4 path with its Q4_1 layers as 8-bit blocks (the stack's third
+    kind, a GGUF file's Q8_0 / Q5_0 tensors), the values carried over exactly."""
+    model = load_target(str(checkpoint), compute="q4" if compute == "q8" else compute).model
+    if compute == "q8":
+        for name, m in list(model.named_modules()):
+            if isinstance(m, Q4Linear):
+                owner, attr = name.rsplit(".", 1)
+                setattr(model.get_submodule(owner), attr, Q8Linear(*m.unpack(*m.packed, m.out_features), m.bias, m.isa))
+    return model
 
 
 def on_isa(model, isa):
@@ -43,11 +55,10 @@ def same(a, b):
         assert (fa is None and fb is None) or torch.equal(fa, fb)
 
 
-@pytest.mark.parametrize("compute", ["int8", "q4"])
+@pytest.mark.parametrize("compute", ["int8", "q4", "q8"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_stack_equals_the_layer_loop(tiny_checkpoint, compute, isa):
-    target = load_target(str(tiny_checkpoint[0]), compute=compute)
-    model = target.model
+    model = load(tiny_checkpoint[0], compute)
     on_isa(model, isa)
     stack = DecoderStack.of(model)
     assert stack is not None
@@ -108,14 +119,13 @@ def run_many(model, prompts, trees, capture):
             torch.cat([st.kv.v[:, :, :n].flatten() for st, n in zip(states, rows)]))
 
 
-@pytest.mark.parametrize("compute", ["int8", "q4"])
+@pytest.mark.parametrize("compute", ["int8", "q4", "q8"])
 @pytest.mark.parametrize("isa", ISAS)
 def test_batched_stack_equals_the_segment_loop(tiny_checkpoint, compute, isa):
     """verify_many through decoder_stack_batched (one call for several requests' trees) against the Python loop of
     forward_segments: the same logits, features and cache rows, bit for bit; requests of different lengths, trees and
     a one-token row among them."""
-    target = load_target(str(tiny_checkpoint[0]), compute=compute)
-    model = target.model
+    model = load(tiny_checkpoint[0], compute)
     on_isa(model, isa)
     stack = DecoderStack.of(model)
     gen = torch.Generator().manual_seed(4)

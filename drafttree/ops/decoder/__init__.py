@@ -14,12 +14,12 @@ _NONE = torch.empty(0)
 
 @runtime_checkable
 class StackLinear(Protocol):
-    """A linear layer the C++ stack can run (model.linear's Int8Linear and Q4Linear)."""
+    """A linear layer the C++ stack can run (model.linear's Int8Linear, Q4Linear and Q8Linear)."""
 
     isa: str
 
     def stack_tensors(self) -> tuple[list[torch.Tensor], int, int] | None:
-        """(tensors, kind: 0 int8 / 1 Q4_1, n_out) in decoder_stack.cpp's order (the last, the bias, may be None),
+        """(tensors, kind: 0 int8 / 1 Q4_1 / 2 8-bit blocks, n_out) in decoder_stack.cpp's order (the last, the bias, may be None),
         or None (a reference path)."""
 
 

@@ -10,11 +10,11 @@
 
 namespace {
 
-enum LinearKind : int64_t { kInt8 = 0, kQ4 = 1 };
+enum LinearKind : int64_t { kInt8 = 0, kQ4 = 1, kQ8 = 2 };
 
 // Per layer, the tensors in this order (an empty tensor where a layer has none):
 //   0 input norm, 1 post-attention norm, 2 q_norm, 3 k_norm, then 4 tensors for each of qkv, o, gate_up, down:
-//   int8 (packed, scale, row sums, bias) or Q4_1 (q, d, m, bias).
+//   int8 (packed, scale, row sums, bias), Q4_1 or 8-bit blocks (q, d, m, bias).
 // meta, per layer: (kind, n_out) of qkv, o, gate_up, down.
 constexpr int kNorms = 4, kPerLinear = 4, kLinears = 4, kTensors = kNorms + kPerLinear * kLinears;
 
@@ -27,8 +27,9 @@ torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& p
   const int base = kNorms + kPerLinear * which;
   const int64_t kind = meta[2 * which], n_out = meta[2 * which + 1];
   const auto bias = present(p[base + 3]);
-  return kind == kQ4 ? q4_linear(x, p[base], p[base + 1], p[base + 2], bias, n_out, isa)
-                     : int8_linear(x, p[base], p[base + 1], p[base + 2], bias, n_out, isa);
+  if (kind == kQ4) return q4_linear(x, p[base], p[base + 1], p[base + 2], bias, n_out, isa);
+  if (kind == kQ8) return q8_linear(x, p[base], p[base + 1], p[base + 2], bias, n_out, isa);
+  return int8_linear(x, p[base], p[base + 1], p[base + 2], bias, n_out, isa);
 }
 
 }  // namespace

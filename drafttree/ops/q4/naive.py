@@ -3,6 +3,9 @@ quantizing float weights the way llama.cpp does, packing for the kernel.
 
 Q4_1 block of 32 weights: fp16 d, fp16 m, 16 bytes of nibbles (weight j in the low nibble of byte j,
 weight j + 16 in the high nibble); w = d * q + m with q in 0..15.
+
+The same kernel runs 8-bit blocks (w = d * q + m, q in 0..255; `pack_q8`): GGUF's Q8_0 / Q5_0 / Q5_1 blocks carried
+over exactly (drafttree.model.gguf_model), anything else quantized per block of 32 (`quantize_q8_1`).
 """
 from __future__ import annotations
 
@@ -40,6 +43,20 @@ def quantize_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q.reshape(n, k), d.half(), lo.half()
 
 
+def quantize_q8_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float weights [N, K] -> (q uint8 [N, K], d, m fp16 [N, K/32]) with w ≈ d·q + m: each block of 32 between its
+    minimum and maximum in 255 steps (fp16 d and m, the rounding of q against them)."""
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"8-bit blocks need in_features divisible by {BLOCK}, got {k}")
+    b = w.float().reshape(n, k // BLOCK, BLOCK)
+    lo, hi = b.amin(-1).half(), b.amax(-1)
+    d = ((hi - lo.float()) / 255).half()
+    inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(hi))
+    q = ((b - lo.float()[..., None]) * inv[..., None]).round().clamp(0, 255).to(torch.uint8)
+    return q.reshape(n, k), d, lo
+
+
 def dequantize_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return (d.float().repeat_interleave(BLOCK, 1) * q.float() + m.float().repeat_interleave(BLOCK, 1))
 
@@ -65,6 +82,25 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Te
     return packed, panels(d), panels(m)
 
 
+def pack_q8(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """8-bit (q [N, K], d, m [N, K/32]) -> the kernel's layout: q uint8 [P, K/4, 16, 4] (group 2j: k = 8j..8j+3,
+    group 2j+1: k = 8j+4..8j+7, each column's 4 bytes together), d and m as pack_q4's."""
+    n, k = q.shape
+    np_ = -(-n // PANEL) * PANEL
+    qp = torch.zeros(np_, k, dtype=torch.uint8)
+    qp[:n] = q
+    packed = qp.view(np_ // PANEL, PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return (packed, *pack_q4(torch.zeros(n, k, dtype=torch.uint8), d, m)[1:])
+
+
+def unpack_q8(packed_q: torch.Tensor, packed_d: torch.Tensor, packed_m: torch.Tensor, n: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pack_q8's inverse (the padding rows dropped)."""
+    p, k4 = packed_q.shape[:2]
+    q = packed_q.permute(0, 2, 1, 3).reshape(p * PANEL, k4 * 4)[:n]
+    return (q.contiguous(), *unpack_q4(packed_q[:, : k4 // 2], packed_d, packed_m, n)[1:])
+
+
 def unpack_q4(packed_q: torch.Tensor, packed_d: torch.Tensor, packed_m: torch.Tensor, n: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """pack_q4's inverse: the kernel's layout -> (q [n, K], d, m [n, K/32]), the padding rows dropped."""
@@ -81,7 +117,7 @@ def unpack_q4(packed_q: torch.Tensor, packed_d: torch.Tensor, packed_m: torch.Te
 def q4_linear_ref(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = Σ_b sx_b · (d_b · Σ_{k∈b} q·xq + m_b · Σ_{k∈b} xq), the input quantized per block of 32, in
-    float64 (the kernel sums in fp32)."""
+    float64 (the kernel sums in fp32); q 4- or 8-bit alike."""
     t, k = x.shape
     nb = k // BLOCK
     xq, sx = quantize_rows(x.reshape(t * nb, BLOCK))
