@@ -96,7 +96,7 @@ class Q4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = q.shape
         packed_q, packed_d, packed_m = self.pack(q, d, m)
-        self.register_buffer(self.buffer, packed_q)  # uint8 [N/16, K/8, 16, 4] two nibbles a byte (8-bit: [.., K/4, ..])
+        self.register_buffer(self.buffer, packed_q)  # uint8 [N/16, K/8, 16, 4], two nibbles a byte (8-bit: K/4)
         self.register_buffer("weight_d", packed_d)   # fp16 [N/16, K/32, 16] block scales
         self.register_buffer("weight_m", packed_m)   # fp16 [N/16, K/32, 16] block minimums
         self.register_buffer("bias", None if bias is None else bias.detach().float())
