@@ -91,8 +91,11 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype | No
 
 
 def _load_gguf_target(path: Path, choice) -> Target:
-    from .model.gguf_model import build_gguf_model, gguf_tokenizer, open_gguf
+    from .model.gguf_model import build_gguf_model, gguf_tokenizer, open_gguf, release_freed_memory
 
     reader = open_gguf(path)  # one read of the metadata for both
     model, _ = build_gguf_model(path, choice.path, choice.isa, reader=reader)
-    return Target(model=model, tokenizer=gguf_tokenizer(path, reader), name=str(path), compute=choice)
+    tokenizer = gguf_tokenizer(path, reader)
+    del reader  # its parsed metadata (Gemma 3's 262 k vocabulary strings) and its map of the file
+    release_freed_memory()
+    return Target(model=model, tokenizer=tokenizer, name=str(path), compute=choice)
