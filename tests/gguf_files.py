@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from drafttree.apps.bench.random_gguf import Q4_K_M  # llama.cpp's types for Q4_K_M (the tests import it from here)
+
 # K-quants need rows that are a multiple of 256 weights: hidden 256, intermediate 512, 4 heads of 64
 SHAPE = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, head_dim=64, context=512, eps=1e-6,
              theta=10000.0)
@@ -17,9 +19,6 @@ WEIGHT_STD = 0.15  # random weights large enough that greedy choices are well se
 
 # gemma3: 6 layers, so that the sixth is global (llama.cpp's pattern: every 6th layer) and five slide a window of 8
 GEMMA3 = dict(layers=6, window=8, theta=1e6)
-
-# Q4_K_M as llama.cpp makes it: most matrices Q4_K, attn_v / ffn_down / the output Q6_K
-Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K", "token_embd": "Q4_K"}
 
 
 @cache
@@ -47,29 +46,11 @@ def undo_llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# where each K-quant block keeps its fp16 scales (d, and dmin where the type has one)
-_K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
-
-
 def random_k_quant(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Valid K-quant bytes [rows, bytes per row]: random values and sub-block scales, the fp16 super-block scales
-    chosen so that the weights have about WEIGHT_STD (gguf-py has no K-quant quantizer)."""
-    import gguf
-    from gguf.quants import dequantize
+    """Valid K-quant bytes with weights of about WEIGHT_STD (drafttree.apps.bench.random_gguf)."""
+    from drafttree.apps.bench.random_gguf import random_k_quant as drawn
 
-    qtype = gguf.GGMLQuantizationType[type_name]
-    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(rows * cols // block, nbytes), dtype=np.uint8)
-    d_at, dmin_at = _K_SCALES[type_name]
-    jitter = rng.uniform(0.5, 1.5, size=raw.shape[0]).astype(np.float16)
-    for at in (d_at, dmin_at):
-        if at is not None:
-            raw[:, at:at + 2] = jitter.view(np.uint8).reshape(-1, 2)
-    scale = WEIGHT_STD / dequantize(raw, qtype).std()
-    for at in (d_at, dmin_at):
-        if at is not None:
-            raw[:, at:at + 2] = (jitter * np.float16(scale)).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return raw.reshape(rows, -1)
+    return drawn(type_name, rows, cols, rng, WEIGHT_STD)
 
 
 def encode(w: np.ndarray, type_name: str, rng: np.random.Generator) -> tuple[np.ndarray, object]:
@@ -82,7 +63,7 @@ def encode(w: np.ndarray, type_name: str, rng: np.random.Generator) -> tuple[np.
         return w.astype(np.float32), None
     if type_name == "F16":
         return w.astype(np.float16), None
-    if type_name in _K_SCALES:
+    if type_name in ("Q4_K", "Q5_K", "Q6_K"):
         return random_k_quant(type_name, *w.shape, rng), qtype
     if type_name in ("Q2_K", "Q3_K"):  # types drafttree refuses: their bytes are never read, random ones do
         block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
