@@ -74,8 +74,8 @@ def llama_worker(path: str, threads: int, new_tokens: int, repeats: int) -> dict
     from llama_cpp import Llama
 
     t0 = time.perf_counter()
-    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=CONTEXT + new_tokens + 2 * max(TOKENS),
-                n_batch=max(TOKENS), verbose=False)
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads,
+                n_ctx=CONTEXT + new_tokens + 2 * max(TOKENS), n_batch=max(TOKENS), verbose=False)
     load_s, rss, peak = time.perf_counter() - t0, rss_mib(), peak_mib()
     ids = prompt_ids(llm.n_vocab(), CONTEXT)
     out, t_first = [], None
@@ -176,13 +176,14 @@ def main() -> None:
 
 
 def markdown(r: dict) -> str:
-    lines = [f"CPU: {r['cpu']}; ISA: {r['isa']}; {r['threads']} threads; read bandwidth {r['read_bandwidth_gbs']} GB/s; "
-             f"random weights in Q4_K_M's types; AR {r['new_tokens']} tokens after {r['context']}; means of the runs.",
+    lines = [f"CPU: {r['cpu']}; ISA: {r['isa']}; {r['threads']} threads; "
+             f"read bandwidth {r['read_bandwidth_gbs']} GB/s; random weights in Q4_K_M's types; AR {r['new_tokens']} tokens after {r['context']}; means of the runs.",
              "", "| shape | file MiB | drafttree AR tok/s | llama.cpp AR tok/s | ratio | drafttree load s / RSS MiB | "
              "llama.cpp load s / RSS MiB |", "|---|---:|---:|---:|---:|---:|---:|"]
     for shape, e in r["shapes"].items():
         d, l_ = e["drafttree"], e["llama.cpp"]
-        lines.append(f"| {shape} | {e['file_mib']} | {d['ar_tok_s']:.1f} | {l_['ar_tok_s']:.1f} | {e['ar_ratio']:.2f}× | "
+        lines.append(f"| {shape} | {e['file_mib']} | {d['ar_tok_s']:.1f} | {l_['ar_tok_s']:.1f} | "
+                     f"{e['ar_ratio']:.2f}× | "
                      f"{d['load_s']:.1f} / {d['rss_mib']:.0f} (peak {d['peak_mib']:.0f}) | "
                      f"{l_['load_s']:.1f} / {l_['rss_mib']:.0f} |")
     lines += ["", "One forward of n tokens on the context, ms (× one token):", "",
