@@ -177,9 +177,10 @@ def main() -> None:
 
 def markdown(r: dict) -> str:
     lines = [f"CPU: {r['cpu']}; ISA: {r['isa']}; {r['threads']} threads; "
-             f"read bandwidth {r['read_bandwidth_gbs']} GB/s; random weights in Q4_K_M's types; AR {r['new_tokens']} tokens after {r['context']}; means of the runs.",
-             "", "| shape | file MiB | drafttree AR tok/s | llama.cpp AR tok/s | ratio | drafttree load s / RSS MiB | "
-             "llama.cpp load s / RSS MiB |", "|---|---:|---:|---:|---:|---:|---:|"]
+             f"read bandwidth {r['read_bandwidth_gbs']} GB/s; random weights in Q4_K_M's types; "
+             f"AR {r['new_tokens']} tokens after {r['context']}; means of the runs.",
+             "", "| shape | file MiB | drafttree AR tok/s | llama.cpp AR tok/s | ratio | "
+             "drafttree load s / RSS MiB | llama.cpp load s / RSS MiB |", "|---|---:|---:|---:|---:|---:|---:|"]
     for shape, e in r["shapes"].items():
         d, l_ = e["drafttree"], e["llama.cpp"]
         lines.append(f"| {shape} | {e['file_mib']} | {d['ar_tok_s']:.1f} | {l_['ar_tok_s']:.1f} | "
@@ -191,7 +192,8 @@ def markdown(r: dict) -> str:
     for shape, e in r["shapes"].items():
         for kind in ("drafttree", "llama.cpp"):
             f = e[kind]["forward_ms"]
-            lines.append(f"| {shape} | {kind} | " + " | ".join(f"{f[n]:.1f} ({f[n] / f[1]:.2f}×)" for n in TOKENS) + " |")
+            cells = " | ".join(f"{f[n]:.1f} ({f[n] / f[1]:.2f}×)" for n in TOKENS)
+            lines.append(f"| {shape} | {kind} | {cells} |")
     return "\n".join(lines)
 
 
