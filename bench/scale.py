@@ -100,10 +100,47 @@ def llama_worker(path: str, threads: int, new_tokens: int, repeats: int) -> dict
             "forward_ms": {n: statistics.median(v) for n, v in curve.items()}}
 
 
-def run_worker(kind: str, path: Path, a) -> dict:
+def drafter_worker(path: str, threads: int, new_tokens: int, repeats: int) -> dict:
+    """The published Qwen3-4B DFlash layout (random weights) beside the 4B-shaped target: its draft cost per round
+    (a 16-row block after a 128-token prompt) and every tree method's greedy output against AR on the random target."""
+    import torch
+
+    from drafttree.apps.bench.random_gguf import QWEN3_4B_DFLASH, random_drafter
+    from drafttree.costmodel import VerifyCostModel, fit_convex_cost
+    from drafttree.engine import Sequence, generate_ar
+    from drafttree.load import load_target
+    from drafttree.methods import generate, make_proposer
+    from drafttree.model.linear import quantize_linears, use_cpu_kernels
+
+    target = load_target(path, compute="auto", threads=threads)
+    drafter = random_drafter(QWEN3_4B_DFLASH)
+    use_cpu_kernels(quantize_linears(drafter.fuse_projections(), target.compute.isa), target.compute.isa)
+    params = sum(p.numel() for p in random_drafter(QWEN3_4B_DFLASH).parameters())
+    ids = torch.tensor(prompt_ids(target.model.config.vocab_size, CONTEXT))
+    ddtree = make_proposer("ddtree", target, drafter, budget=16)
+    seq = Sequence(target, ids, ddtree, 64)
+    seq.step()  # the prefill and the drafter's prompt pass
+    times = []
+    for _ in range(repeats):  # a round's drafting: the 16-row block, then the head rows a 16-node DDTree reaches
+        t0 = time.perf_counter()
+        scores = ddtree.draft(seq.draft_state, int(seq.root), seq.state.length)
+        ddtree.build_tree(seq.draft_state, int(seq.root), scores, seq.state.length)
+        times.append((time.perf_counter() - t0) * 1e3)
+    draft_ms = statistics.median(times)
+    curve = fit_convex_cost(TOKENS, [json.loads(os.environ["SCALE_CURVE"])[str(n)] for n in TOKENS])
+    costs = VerifyCostModel(context_lens=(CONTEXT,), curves=(curve,), draft_ms=draft_ms)
+    ar = generate_ar(target, ids, new_tokens, stop_token_ids=()).tokens
+    equal = {}
+    for method in ("chain", "ddtree", "caddtree", "caddtree-online", "lookup-ddtree", "lookup-caddtree-online"):
+        proposer = make_proposer(method, target, drafter, budget=8, cost_model=costs)
+        equal[method] = generate(method, target, ids, new_tokens, proposer=proposer, stop_token_ids=()).tokens == ar
+    return {"drafter_params": params, "draft_ms": draft_ms, "greedy_equals_ar": equal, "tokens": new_tokens}
+
+
+def run_worker(kind: str, path: Path, a, env: dict | None = None) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--file", str(path), "--threads", str(a.threads),
            "--new-tokens", str(a.new_tokens), "--repeats", str(a.repeats)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, **(env or {})}).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -116,11 +153,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="alternations of the two systems per shape")
     p.add_argument("--dir", type=Path, default=None, help="where the random files are kept (default: the cache)")
     p.add_argument("--out", type=Path)
-    p.add_argument("--worker", choices=("drafttree", "llama.cpp"), help=argparse.SUPPRESS)
+    p.add_argument("--drafter", action="store_true", help="also the published Qwen3-4B DFlash layout (random weights) "
+                   "on the last shape: its draft cost, and every tree method's greedy output against AR")
+    p.add_argument("--worker", choices=("drafttree", "llama.cpp", "drafter"), help=argparse.SUPPRESS)
     p.add_argument("--file", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        fn = drafttree_worker if a.worker == "drafttree" else llama_worker
+        fn = {"drafttree": drafttree_worker, "llama.cpp": llama_worker, "drafter": drafter_worker}[a.worker]
         print(json.dumps(fn(a.file, a.threads, a.new_tokens, a.repeats)))
         return
     from tqdm import tqdm
@@ -163,6 +202,11 @@ def main() -> None:
             next((i for i, (x, y) in enumerate(zip(d["tokens"], l_["tokens"])) if x != y), len(d["tokens"]))
             for d, l_ in zip(ours["runs"], theirs["runs"])]
         result["shapes"][shape] = entry
+    if a.drafter:  # its verify curve: the one just measured on the last shape
+        shape = shapes[-1]
+        curve = json.dumps({str(n): v for n, v in result["shapes"][shape]["drafttree"]["forward_ms"].items()})
+        result["drafter"] = {"shape": shape, **run_worker("drafter", files / f"{shape}-random-q4_k_m.gguf", a,
+                                                          {"SCALE_CURVE": curve})}
     print(markdown(result))
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
@@ -194,6 +238,13 @@ def markdown(r: dict) -> str:
             f = e[kind]["forward_ms"]
             cells = " | ".join(f"{f[n]:.1f} ({f[n] / f[1]:.2f}×)" for n in TOKENS)
             lines.append(f"| {shape} | {kind} | {cells} |")
+    if "drafter" in r:
+        d = r["drafter"]
+        one = r["shapes"][d["shape"]]["drafttree"]["forward_ms"][1]
+        lines += ["", f"Qwen3-4B-DFlash-b16's layout (random weights, {d['drafter_params'] / 1e6:.0f} M parameters) beside "
+                  f"the {d['shape']} target: a 16-row draft {d['draft_ms']:.1f} ms ({d['draft_ms'] / one:.2f}× one "
+                  f"target token); greedy = AR over {d['tokens']} tokens: "
+                  + ", ".join(f"{m} {'yes' if ok else 'NO'}" for m, ok in d["greedy_equals_ar"].items())]
     return "\n".join(lines)
 
 

@@ -16,6 +16,26 @@ QWEN3_SHAPES = {"qwen3-0.6b": (28, 1024, 3072, 16, 8, 151936), "qwen3-1.7b": (28
                 "qwen3-4b": (36, 2560, 9728, 32, 8, 151936), "qwen3-8b": (36, 4096, 12288, 32, 8, 151936)}
 
 
+# z-lab's Qwen3-4B-DFlash-b16 layout (../shared/design anchors: 5 draft layers at the target's width, 537 M parameters
+# besides the target's embedding and head; mask id 151669, a padding row of the target's embedding)
+QWEN3_4B_DFLASH = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=5, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, target_layer_ids=[1, 9, 17, 25, 33],
+                       block_size=16, mask_token_id=151669, rope_theta=1e6)
+
+
+def random_drafter(layout: dict, std: float = 0.02, seed: int = 0):
+    """A DFlash drafter in a published layout with random weights (fp32; `methods.load_drafter_for`'s quantization
+    is the caller's)."""
+    import torch
+
+    from ...drafter.model import DFlashConfig, DFlashDrafter
+
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(DFlashConfig(**layout))
+    drafter.reset_parameters(std=std)
+    return drafter.eval()
+
+
 def random_k_quant(type_name: str, rows: int, cols: int, rng: np.random.Generator, std: float) -> np.ndarray:
     """Valid K-quant bytes [rows, bytes per row] whose weights have about `std`."""
     import gguf

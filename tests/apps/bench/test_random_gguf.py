@@ -33,3 +33,14 @@ def test_a_random_qwen3_file_loads_at_its_shape_and_decodes_losslessly(tmp_path)
     ids = torch.tensor([1, 100, 200, 300] * 4)
     ar = generate_ar(target, ids, 16, stop_token_ids=()).tokens
     assert generate("lookup", target, ids, 16, stop_token_ids=()).tokens == ar
+
+
+def test_the_published_4b_drafter_layout_has_its_parameter_count():
+    """537,427,200 parameters besides the target's embedding and head (the anchors' count for z-lab's
+    Qwen3-4B-DFlash-b16), counted on the meta device."""
+    from drafttree.apps.bench.random_gguf import QWEN3_4B_DFLASH
+    from drafttree.drafter.model import DFlashConfig, DFlashDrafter
+
+    with torch.device("meta"):
+        drafter = DFlashDrafter(DFlashConfig(**QWEN3_4B_DFLASH))
+    assert sum(p.numel() for p in drafter.parameters()) == 537_427_200
