@@ -94,7 +94,8 @@ def write_random_qwen3(path: str | Path, shape: str | tuple[int, ...], seed: int
 
     def matrix(name: str, kind: str, rows: int, cols: int):
         type_name = Q4_K_M.get(kind, "Q4_K")
-        w.add_tensor(name, random_k_quant(type_name, rows, cols, rng, std), raw_dtype=gguf.GGMLQuantizationType[type_name])
+        qtype = gguf.GGMLQuantizationType[type_name]
+        w.add_tensor(name, random_k_quant(type_name, rows, cols, rng, std), raw_dtype=qtype)
 
     def vector(name: str, n: int):
         w.add_tensor(name, (1.0 + rng.normal(0, 0.1, size=n)).astype(np.float32))
@@ -104,7 +105,8 @@ def write_random_qwen3(path: str | Path, shape: str | tuple[int, ...], seed: int
     vector("output_norm.weight", hidden)
     for i in range(layers):
         b = f"blk.{i}"
-        for name, n in (("attn_norm", hidden), ("ffn_norm", hidden), ("attn_q_norm", head_dim), ("attn_k_norm", head_dim)):
+        for name, n in (("attn_norm", hidden), ("ffn_norm", hidden), ("attn_q_norm", head_dim),
+                        ("attn_k_norm", head_dim)):
             vector(f"{b}.{name}.weight", n)
         for kind, rows, cols in (("attn_q", heads * head_dim, hidden), ("attn_k", kv_heads * head_dim, hidden),
                                  ("attn_v", kv_heads * head_dim, hidden), ("attn_output", hidden, heads * head_dim),
