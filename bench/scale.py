@@ -242,8 +242,8 @@ def markdown(r: dict) -> str:
         d = r["drafter"]
         one = r["shapes"][d["shape"]]["drafttree"]["forward_ms"][1]
         lines += ["", f"Qwen3-4B-DFlash-b16's layout (random weights, {d['drafter_params'] / 1e6:.0f} M parameters) "
-                  f"beside the {d['shape']} target: a 16-row draft {d['draft_ms']:.1f} ms ({d['draft_ms'] / one:.2f}× one "
-                  f"target token); greedy = AR over {d['tokens']} tokens: "
+                  f"beside the {d['shape']} target: a 16-row draft {d['draft_ms']:.1f} ms "
+                  f"({d['draft_ms'] / one:.2f}× one target token); greedy = AR over {d['tokens']} tokens: "
                   + ", ".join(f"{m} {'yes' if ok else 'NO'}" for m, ok in d["greedy_equals_ar"].items())]
     return "\n".join(lines)
 
