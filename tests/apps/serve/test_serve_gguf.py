@@ -12,10 +12,11 @@ from conftest import free_port, request, wait_until_healthy
 
 
 def served_replies(model: str, path: str, body: dict, extra_args: tuple[str, ...] = ()) -> dict[str, dict]:
-    """`drafttree serve --model FILE --method lookup` as a subprocess: its reply to `body` at `path` for ar and lookup."""
+    """`drafttree serve --model FILE --method lookup` as a subprocess: its replies to `body` at `path` (ar, lookup)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "drafttree.apps.cli", "serve", "--model", model, "--method", "lookup",
-                             "--port", str(port), *extra_args], stderr=subprocess.PIPE, text=True,
+    cmd = [sys.executable, "-m", "drafttree.apps.cli", "serve", "--model", model, "--method", "lookup",
+           "--port", str(port)]
+    proc = subprocess.Popen([*cmd, *extra_args], stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "DRAFTTREE_API_KEY": ""})
     base = f"http://127.0.0.1:{port}"
     try:
