@@ -697,3 +697,22 @@ def test_profiling_notice_goes_to_stderr(monkeypatch, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert out == "" and "profiling into" in err and str(methods.cost_model_path(target)) in err
     assert methods.load_or_profile_cost_model(target, None).to_dict() == model.to_dict()  # cached: not profiled twice
+
+
+def test_a_passive_openmp_wait_policy_is_pointed_out(monkeypatch, capsys):
+    """OMP_WAIT_POLICY=PASSIVE costs every decoding step several times over: loading a model says so, once."""
+    import torch
+
+    from drafttree.load import warn_if_threads_sleep
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+        warn_if_threads_sleep()
+        assert "OMP_WAIT_POLICY=PASSIVE" in capsys.readouterr().err
+        monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+        warn_if_threads_sleep()
+        assert capsys.readouterr().err == ""
+    finally:
+        torch.set_num_threads(threads)
