@@ -38,7 +38,8 @@ from .transformer import Transformer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 Q4_1_SOURCES = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit values with a scale and an offset per 32 weights: Q4_1's shape
-INT8_SOURCES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "F16", "BF16", "F32")  # more than 4 bits: int8 rows are the nearest kernel
+# more than 4 bits: 8-bit blocks on the q4 path (Q8_EXACT as stored), int8 rows on the int8 path
+INT8_SOURCES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "F16", "BF16", "F32")
 READABLE_TYPES = Q4_1_SOURCES + INT8_SOURCES
 # 8-bit blocks carry these over exactly: (block bytes, offset added to the stored value); Q5_1 stores its own offset
 Q8_EXACT = {"Q8_0": (34, 128), "Q5_0": (22, 16), "Q5_1": (24, None)}
@@ -266,9 +267,11 @@ def _q8_exact(raw: np.ndarray, w: torch.Tensor, type_name: str) -> tuple[torch.T
         m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
     else:
         m = (-offset * d.float()).half()
+        if not torch.isfinite(m).all():
+            raise GGUFError(f"a {type_name} block scale times {offset} exceeds the fp16 range of 8-bit blocks")
     step, low = d.float().repeat_interleave(32, 1), m.float().repeat_interleave(32, 1)
-    q = torch.where(step != 0, (w - low) / step, torch.zeros_like(w)).round().clamp(0, 255).to(torch.uint8)  # d < 0 too
-    return q, d, m
+    q = torch.where(step != 0, (w - low) / step, torch.zeros_like(w))  # d may be negative (Q5_0's often is)
+    return q.round().clamp(0, 255).to(torch.uint8), d, m
 
 
 def _q4_1_from(raw: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -413,12 +416,15 @@ class GGUFModelReader:
         for a, b in _chunks(t.n_rows, t.n_cols):
             raw = t.rows(a, b)
             w = _dequantized(raw, t.qtype)
-            if t.type_name in Q4_1_SOURCES:
-                q, d, m = _q4_1_from(raw, t.type_name)
-            elif t.type_name in Q8_EXACT:
-                q, d, m = _q8_exact(np.asarray(raw, dtype=np.uint8), w, t.type_name)
-            else:
-                q, d, m = quantize_q8_1(w)
+            try:
+                if t.type_name in Q4_1_SOURCES:
+                    q, d, m = _q4_1_from(raw, t.type_name)
+                elif t.type_name in Q8_EXACT:
+                    q, d, m = _q8_exact(np.asarray(raw, dtype=np.uint8), w, t.type_name)
+                else:
+                    q, d, m = quantize_q8_1(w)
+            except GGUFError as e:
+                raise GGUFError(f"{self.path.name}: tensor {name}: {e}") from None
             err += _sq(dequantize_q4_1(q, d, m).sub_(w))
             ref += _sq(w)
             parts.append((q, d, m))
