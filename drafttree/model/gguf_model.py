@@ -357,6 +357,19 @@ class GGUFModelReader:
             ft.row_order = unpermute_rope_rows(np.arange(n_rows)[:, None], heads)[:, 0]
         return ft
 
+    def drop_pages(self, name: str) -> None:
+        """A converted tensor's file pages leave the process's resident set (they stay in the page cache; a later
+        read maps them again): without this, loading holds the whole file mapped on top of what it converts into."""
+        import mmap
+
+        mapped = getattr(getattr(self.reader, "data", None), "base", None)
+        mm = getattr(mapped, "_mmap", None)  # np.memmap's mmap.mmap (open_gguf's reader views it)
+        if mm is None or not hasattr(mm, "madvise"):
+            return
+        t = self.tensors[name]
+        start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+        mm.madvise(mmap.MADV_DONTNEED, start, int(t.data_offset) + int(t.n_bytes) - start)
+
     @staticmethod
     def kind(name: str) -> str:
         """attn_q, ffn_down, token_embd, ...: what the report groups by."""
@@ -377,6 +390,7 @@ class GGUFModelReader:
             ref += _sq(w)
         if len(self.tensors[name].shape) > 1:  # weight matrices only: norms and biases are not worth a report line
             self.report.add(self.kind(name), t.type_name, {torch.float32: "F32", torch.bfloat16: "BF16"}[dtype], err, ref, 1)
+        self.drop_pages(name)
         return out if len(self.tensors[name].shape) > 1 else out[0]
 
     def int8_rows(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,6 +404,7 @@ class GGUFModelReader:
             err += _sq(q[a:b].float().mul_(scale[a:b, None]).sub_(w))
             ref += _sq(w)
         self.report.add(self.kind(name), t.type_name, "int8", err, ref, 1)
+        self.drop_pages(name)
         return q, scale
 
     def q4_1_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -406,6 +421,7 @@ class GGUFModelReader:
             ref += _sq(w)
             parts.append((q, d, m))
         self.report.add(self.kind(name), t.type_name, "Q4_1", err, ref, 1)
+        self.drop_pages(name)
         return tuple(torch.cat(col) for col in zip(*parts))
 
     def q8_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -429,6 +445,7 @@ class GGUFModelReader:
             ref += _sq(w)
             parts.append((q, d, m))
         self.report.add(self.kind(name), t.type_name, "8-bit blocks", err, ref, 1)
+        self.drop_pages(name)
         return tuple(torch.cat(col) for col in zip(*parts))
 
     # -- runtime modules
