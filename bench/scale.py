@@ -114,8 +114,8 @@ def drafter_worker(path: str, threads: int, new_tokens: int, repeats: int) -> di
 
     target = load_target(path, compute="auto", threads=threads)
     drafter = random_drafter(QWEN3_4B_DFLASH)
+    params = sum(p.numel() for p in drafter.parameters())  # before quantization packs them
     use_cpu_kernels(quantize_linears(drafter.fuse_projections(), target.compute.isa), target.compute.isa)
-    params = sum(p.numel() for p in random_drafter(QWEN3_4B_DFLASH).parameters())
     ids = torch.tensor(prompt_ids(target.model.config.vocab_size, CONTEXT))
     ddtree = make_proposer("ddtree", target, drafter, budget=16)
     seq = Sequence(target, ids, ddtree, 64)
@@ -127,7 +127,8 @@ def drafter_worker(path: str, threads: int, new_tokens: int, repeats: int) -> di
         ddtree.build_tree(seq.draft_state, int(seq.root), scores, seq.state.length)
         times.append((time.perf_counter() - t0) * 1e3)
     draft_ms = statistics.median(times)
-    curve = fit_convex_cost(TOKENS, [json.loads(os.environ["SCALE_CURVE"])[str(n)] for n in TOKENS])
+    measured = json.loads(os.environ["SCALE_CURVE"])  # the target's forward_ms from the run before
+    curve = fit_convex_cost(TOKENS, [measured[str(n)] for n in TOKENS])
     costs = VerifyCostModel(context_lens=(CONTEXT,), curves=(curve,), draft_ms=draft_ms)
     ar = generate_ar(target, ids, new_tokens, stop_token_ids=()).tokens
     equal = {}

@@ -90,7 +90,17 @@ def _reader_class():
 
         @data.setter
         def data(self, mapped):
+            self._map = getattr(mapped, "_mmap", None)  # np.memmap's mmap.mmap: for drop_pages
             self._data = mapped.view(np.ndarray) if isinstance(mapped, np.memmap) else mapped
+
+        def drop_pages(self, offset: int, n_bytes: int) -> None:
+            """The file's bytes [offset, offset + n_bytes) leave the process's resident set (they stay in the page
+            cache; a later read maps them again)."""
+            import mmap
+
+            if self._map is not None and hasattr(self._map, "madvise"):
+                start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+                self._map.madvise(mmap.MADV_DONTNEED, start, offset + n_bytes - start)
 
     return PlainViewReader
 
@@ -357,18 +367,14 @@ class GGUFModelReader:
             ft.row_order = unpermute_rope_rows(np.arange(n_rows)[:, None], heads)[:, 0]
         return ft
 
-    def drop_pages(self, name: str) -> None:
-        """A converted tensor's file pages leave the process's resident set (they stay in the page cache; a later
-        read maps them again): without this, loading holds the whole file mapped on top of what it converts into."""
-        import mmap
-
-        mapped = getattr(getattr(self.reader, "data", None), "base", None)
-        mm = getattr(mapped, "_mmap", None)  # np.memmap's mmap.mmap (open_gguf's reader views it)
-        if mm is None or not hasattr(mm, "madvise"):
-            return
-        t = self.tensors[name]
-        start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
-        mm.madvise(mmap.MADV_DONTNEED, start, int(t.data_offset) + int(t.n_bytes) - start)
+    def chunks(self, t: FileTensor):
+        """Row ranges of `t` a few at a time; once they are all read, the tensor's file pages leave the resident set
+        (without this, loading holds the whole file mapped on top of what it converts the file into)."""
+        yield from _chunks(t.n_rows, t.n_cols)
+        drop = getattr(self.reader, "drop_pages", None)  # open_gguf's reader (a plain GGUFReader has none)
+        if drop is not None:
+            raw = self.tensors[t.name]
+            drop(int(raw.data_offset), int(raw.n_bytes))
 
     @staticmethod
     def kind(name: str) -> str:
@@ -383,14 +389,13 @@ class GGUFModelReader:
         dtype = dtype or self.float_dtype
         out = torch.empty(t.n_rows, t.n_cols, dtype=dtype)
         err = ref = 0.0
-        for a, b in _chunks(t.n_rows, t.n_cols):
+        for a, b in self.chunks(t):
             w = _dequantized(t.rows(a, b), t.qtype)
             out[a:b] = w.to(dtype)
             err += _sq(out[a:b].float().sub_(w)) if dtype != torch.float32 else 0.0
             ref += _sq(w)
         if len(self.tensors[name].shape) > 1:  # weight matrices only: norms and biases are not worth a report line
             self.report.add(self.kind(name), t.type_name, {torch.float32: "F32", torch.bfloat16: "BF16"}[dtype], err, ref, 1)
-        self.drop_pages(name)
         return out if len(self.tensors[name].shape) > 1 else out[0]
 
     def int8_rows(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -398,19 +403,18 @@ class GGUFModelReader:
         q = torch.empty(t.n_rows, t.n_cols, dtype=torch.int8)
         scale = torch.empty(t.n_rows)
         err = ref = 0.0
-        for a, b in _chunks(t.n_rows, t.n_cols):
+        for a, b in self.chunks(t):
             w = _dequantized(t.rows(a, b), t.qtype)
             q[a:b], scale[a:b] = quantize_rows(w)
             err += _sq(q[a:b].float().mul_(scale[a:b, None]).sub_(w))
             ref += _sq(w)
         self.report.add(self.kind(name), t.type_name, "int8", err, ref, 1)
-        self.drop_pages(name)
         return q, scale
 
     def q4_1_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = self.tensor(name)
         parts, err, ref = [], 0.0, 0.0
-        for a, b in _chunks(t.n_rows, t.n_cols):
+        for a, b in self.chunks(t):
             raw = t.rows(a, b)
             try:
                 q, d, m = _q4_1_from(raw, t.type_name)
@@ -421,7 +425,6 @@ class GGUFModelReader:
             ref += _sq(w)
             parts.append((q, d, m))
         self.report.add(self.kind(name), t.type_name, "Q4_1", err, ref, 1)
-        self.drop_pages(name)
         return tuple(torch.cat(col) for col in zip(*parts))
 
     def q8_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -429,7 +432,7 @@ class GGUFModelReader:
         (their own d and m, q read back from the dequantized values), the others quantized per block."""
         t = self.tensor(name)
         parts, err, ref = [], 0.0, 0.0
-        for a, b in _chunks(t.n_rows, t.n_cols):
+        for a, b in self.chunks(t):
             raw = t.rows(a, b)
             w = _dequantized(raw, t.qtype)
             try:
@@ -445,7 +448,6 @@ class GGUFModelReader:
             ref += _sq(w)
             parts.append((q, d, m))
         self.report.add(self.kind(name), t.type_name, "8-bit blocks", err, ref, 1)
-        self.drop_pages(name)
         return tuple(torch.cat(col) for col in zip(*parts))
 
     # -- runtime modules

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from drafttree.ops.int8 import int8_linear, int8_linear_ref, pack_weight, packed_rows, prepare_weight, unpack_weight
-from drafttree.ops.q4 import (pack_q4, pack_q8, q4_linear, q4_linear_ref, q8_linear, quantize_q4_1, quantize_q8_1,
+from drafttree.ops.q4 import (pack_q4, pack_q8, q4_linear, q4_linear_ref, q8_linear, quantize_q4_1,
                               unpack_q4, unpack_q8)
 
 from .layers import FusedKernel, KernelAttention, StackedLayers
@@ -88,7 +88,7 @@ class Q4Linear(nn.Module):
     """Drop-in for nn.Linear with GGUF Q4_1 weights (w = d·q + m per block of 32, as the file stores them)
     and int8 activations per block of 32 (drafttree.ops.q4)."""
 
-    bits, kind, buffer = 4, 1, "weight_q4"  # kind: how ops.decoder's C++ stack names the layer's kernel
+    kind, buffer = 1, "weight_q4"  # kind: how ops.decoder's C++ stack names the layer's kernel
     pack, unpack, kernel = staticmethod(pack_q4), staticmethod(unpack_q4), staticmethod(q4_linear)
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None,
@@ -133,12 +133,8 @@ class Q8Linear(Q4Linear):
     """8-bit blocks of 32 (w = d·q + m, q in 0..255) on the same kernel: GGUF's Q8_0 / Q5_0 / Q5_1 tensors as the file
     stores them, other types requantized per block (model.gguf_model)."""
 
-    bits, kind, buffer = 8, 2, "weight_q8"
+    kind, buffer = 2, "weight_q8"
     pack, unpack, kernel = staticmethod(pack_q8), staticmethod(unpack_q8), staticmethod(q8_linear)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, isa: str) -> "Q8Linear":
-        return cls(*quantize_q8_1(linear.weight.detach()), linear.bias, isa)
 
 
 class Int8TiedEmbedding(nn.Module):

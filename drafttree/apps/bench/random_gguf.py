@@ -64,11 +64,12 @@ def write_random_qwen3(path: str | Path, shape: str | tuple[int, ...], seed: int
     import gguf
 
     from ...gguf_convert import find_embedded_gguf
+    from ...model.gguf_model import open_gguf
 
     layers, hidden, inter, heads, kv_heads, vocab = QWEN3_SHAPES[shape] if isinstance(shape, str) else shape
     head_dim = 128
     rng = np.random.default_rng(seed)
-    src = gguf.GGUFReader(str(find_embedded_gguf("smollm2-135m-instruct")))
+    src = open_gguf(find_embedded_gguf("smollm2-135m-instruct"))
     tokens = list(src.fields["tokenizer.ggml.tokens"].contents())
     types = list(src.fields["tokenizer.ggml.token_type"].contents())
     tokens += [f"<unused_{i}>" for i in range(vocab - len(tokens))]

@@ -64,33 +64,42 @@ def dequantize_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.
 PANEL = 16
 
 
+def _padded_rows(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] with zero rows up to a multiple of PANEL."""
+    n, k = q.shape
+    qp = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.uint8)
+    qp[:n] = q
+    return qp
+
+
+def _scale_panels(s: torch.Tensor) -> torch.Tensor:
+    """Per-block scales or offsets [N, K/32] -> fp16 [P, K/32, 16] (zero for the padding columns)."""
+    n = s.shape[0]
+    out = torch.zeros(-(-n // PANEL) * PANEL, s.shape[1], dtype=torch.float16)
+    out[:n] = s
+    return out.view(-1, PANEL, s.shape[1]).permute(0, 2, 1).contiguous()
+
+
+def _scale_rows(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """_scale_panels' inverse (the padding rows dropped)."""
+    return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:n].contiguous()
+
+
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [N, K], d, m [N, K/32]) -> the kernel's layout: q uint8 [P, K/8, 16, 4] (low nibble k = 8j..8j+3,
     high nibble k = 8j+4..8j+7), d and m fp16 [P, K/32, 16]; N padded to 16 with zero weights."""
-    n, k = q.shape
-    np_ = -(-n // PANEL) * PANEL
-    qp = torch.zeros(np_, k, dtype=torch.uint8)
-    qp[:n] = q
-    g = qp.view(np_ // PANEL, PANEL, k // 8, 2, 4)
+    qp = _padded_rows(q)
+    g = qp.view(qp.shape[0] // PANEL, PANEL, q.shape[1] // 8, 2, 4)
     packed = (g[:, :, :, 0] | (g[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
-
-    def panels(s):
-        out = torch.zeros(np_, k // BLOCK, dtype=torch.float16)
-        out[:n] = s
-        return out.view(np_ // PANEL, PANEL, -1).permute(0, 2, 1).contiguous()
-
-    return packed, panels(d), panels(m)
+    return packed, _scale_panels(d), _scale_panels(m)
 
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """8-bit (q [N, K], d, m [N, K/32]) -> the kernel's layout: q uint8 [P, K/4, 16, 4] (group 2j: k = 8j..8j+3,
     group 2j+1: k = 8j+4..8j+7, each column's 4 bytes together), d and m as pack_q4's."""
-    n, k = q.shape
-    np_ = -(-n // PANEL) * PANEL
-    qp = torch.zeros(np_, k, dtype=torch.uint8)
-    qp[:n] = q
-    packed = qp.view(np_ // PANEL, PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-    return (packed, *pack_q4(torch.zeros(n, k, dtype=torch.uint8), d, m)[1:])
+    qp = _padded_rows(q)
+    packed = qp.view(qp.shape[0] // PANEL, PANEL, q.shape[1] // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return packed, _scale_panels(d), _scale_panels(m)
 
 
 def unpack_q8(packed_q: torch.Tensor, packed_d: torch.Tensor, packed_m: torch.Tensor, n: int
@@ -98,7 +107,7 @@ def unpack_q8(packed_q: torch.Tensor, packed_d: torch.Tensor, packed_m: torch.Te
     """pack_q8's inverse (the padding rows dropped)."""
     p, k4 = packed_q.shape[:2]
     q = packed_q.permute(0, 2, 1, 3).reshape(p * PANEL, k4 * 4)[:n]
-    return (q.contiguous(), *unpack_q4(packed_q[:, : k4 // 2], packed_d, packed_m, n)[1:])
+    return q.contiguous(), _scale_rows(packed_d, n), _scale_rows(packed_m, n)
 
 
 def unpack_q4(packed_q: torch.Tensor, packed_d: torch.Tensor, packed_m: torch.Tensor, n: int
@@ -107,11 +116,7 @@ def unpack_q4(packed_q: torch.Tensor, packed_d: torch.Tensor, packed_m: torch.Te
     p, k8 = packed_q.shape[:2]
     q = torch.stack([packed_q & 15, packed_q >> 4], dim=3)  # [P, K/8, 16, 2, 4]
     q = q.permute(0, 2, 1, 3, 4).reshape(p * PANEL, k8 * 8)[:n]
-
-    def rows(s):
-        return s.permute(0, 2, 1).reshape(p * PANEL, -1)[:n]
-
-    return q.contiguous(), rows(packed_d).contiguous(), rows(packed_m).contiguous()
+    return q.contiguous(), _scale_rows(packed_d, n), _scale_rows(packed_m, n)
 
 
 def q4_linear_ref(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
