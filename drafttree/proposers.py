@@ -354,7 +354,7 @@ class DFlashProposer:
 
     def build_tree(self, state: DFlashState, root: int, logits: Scores | None, start: int) -> DraftTree:
         if logits is None:
-            return DraftTree.from_parents([root], [-1])
+            return DraftTree.root_only(root)
         return self._followed(state, self.policy.build(state.policy, root, logits, start, self.draft_token_ids))
 
     def build_trees(self, states: list[DFlashState], roots: list[int], drafted: list[Scores | None],
@@ -362,7 +362,7 @@ class DFlashProposer:
         """`build_tree` for the requests of one batched turn: the policy builds the drafted ones' trees (CaDDTree sizes
         them together); plain rounds are the root alone."""
         drafting = [(i, x) for i, x in enumerate(drafted) if x is not None]
-        trees = [DraftTree.from_parents([root], [-1]) for root in roots]  # plain rounds: the root alone
+        trees = [DraftTree.root_only(root) for root in roots]  # plain rounds: the root alone
         if not drafting:
             return trees
         built = self.policy.build_many([states[i].policy for i, _ in drafting], [roots[i] for i, _ in drafting],

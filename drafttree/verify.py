@@ -20,9 +20,10 @@ TargetProbs = Union[torch.Tensor, Callable[[int], torch.Tensor]]
 
 class TreeLogits:
     """The target's logits at a verified tree's nodes, computed for the nodes a walk reaches: the verify forward
-    computes them for the tree's principal path (`DraftTree.principal_path`, the rows `verify_input` asks for),
-    and a walk that leaves it gets the principal path below the node it reached in one more head call. The LM
-    head is a fifth of a row's weights at SmolLM2's shape, and a walk reads τ of a tree's n rows.
+    computes them for the rows `verify_input` asks for (a small tree's every node, a larger one's principal path:
+    `DraftTree.principal_path`), and a walk that leaves them gets the principal path below the node it reached in one
+    more head call. The LM head is a fifth of a row's weights at SmolLM2's shape, and a walk reads τ of a tree's n
+    rows.
 
     `row_logits(hidden [r, H]) -> [r, V]` must give the forward's own bits for those rows (the kernel paths'
     row-wise norm and head do)."""

@@ -56,3 +56,23 @@ def test_lookup_sampling_matches_target(small_vocab_target):
     prompt = torch.cat([base, torch.tensor(generate_ar(target, base, 16, stop_token_ids=()).tokens)])
     proposer = LookupDFlashProposer(DFlashProposer(random_drafter_for(target.model), target.model, BestFirstPolicy(6)))
     assert_sampling_matches_target(target, hf, prompt, proposer, params, LOOKUP_SAMPLES, LOOKUP_SAMPLES // 10)
+
+
+def test_greedy_token_is_torch_argmax():
+    """sampling.greedy_token (numpy's argmax on CPU floats) picks what torch.argmax picks: random rows, tied maxima
+    (the first), a NaN (it counts as the maximum), all -inf, a strided view, and the dtypes it hands back to torch."""
+    from drafttree.sampling import greedy_token
+
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randn(49152, generator=gen) for _ in range(20)]
+    tied = torch.zeros(100)
+    tied[[7, 40, 99]] = 3.0
+    nan = torch.randn(64, generator=gen)
+    nan[[5, 30]] = float("nan")
+    rows += [tied, nan, torch.full((10,), float("-inf")), torch.randn(8, 64, generator=gen)[:, 3],
+             torch.randn(300, generator=gen).double(), torch.randn(300, generator=gen).bfloat16(),
+             torch.randint(0, 5, (50,), generator=gen)]
+    for row in rows:
+        assert greedy_token(row) == int(row.argmax()), row.dtype
+    with pytest.raises(ValueError, match="one row"):
+        greedy_token(torch.zeros(2, 3))

@@ -5,6 +5,7 @@ import torch
 
 from drafttree.policies import build_best_first_tree
 from drafttree.tree import (
+    SMALL_TREE,
     DraftTree,
     TreeNode,
     ancestor_mask_by_depth,
@@ -60,11 +61,15 @@ def test_random_tree_invariants_and_mask(shape, size):
 
 
 def test_mask_fast_path_matches_reference_on_many_trees():
+    """Both fast forms (the vectorised climb, and a small tree's parent-list rows: DraftTree.ancestor_mask) equal
+    the reference."""
     g = torch.Generator().manual_seed(1)
-    for trial in range(60):
-        tree = random_tree(int(torch.randint(0, 80, (1,), generator=g)), 1000, SHAPES[trial % 4], g)
-        assert torch.equal(ancestor_mask_by_depth(tree.parents, int(tree.depths.max())),
-                           ancestor_mask_reference(tree.parents))
+    for trial in range(120):
+        size = int(torch.randint(0, 80 if trial % 2 else SMALL_TREE, (1,), generator=g))
+        tree = random_tree(size, 1000, SHAPES[trial % 4], g)
+        reference = ancestor_mask_reference(tree.parents)
+        assert torch.equal(ancestor_mask_by_depth(tree.parents, int(tree.depths.max())), reference)
+        assert torch.equal(tree.ancestor_mask, reference)
 
 
 def test_chain_tree():
@@ -76,6 +81,17 @@ def test_chain_tree():
     unknown = build_chain_tree(7, torch.tensor([1, 2]))
     assert unknown.logprobs[0] == 0 and unknown.logprobs[1:].isnan().all()
     assert build_chain_tree(7, []).num_nodes == 1
+
+
+def test_root_only_is_from_parents_of_the_root():
+    """A plain round's tree (DraftTree.root_only, no checks) has the fields, mask and truncation of the general
+    constructor's."""
+    fast, general = DraftTree.root_only(42), DraftTree.from_parents([42], [-1])
+    for name in ("tokens", "parents", "depths", "logprobs", "path_logprobs"):
+        assert torch.equal(getattr(fast, name), getattr(general, name)), name
+        assert getattr(fast, name).dtype == getattr(general, name).dtype, name
+    assert torch.equal(fast.ancestor_mask, ancestor_mask_reference(general.parents))
+    assert fast.truncated(0, 0) is fast and fast.child_maps == [{}]
 
 
 def test_from_nodes_roundtrip():

@@ -1,5 +1,7 @@
 """The quantized compute paths (int8, q4) end to end on tiny models: the module swap, bit-exact tree
 verification, and speculative decoding identical to AR decoding on the same path."""
+import itertools
+
 import pytest
 import torch
 
@@ -115,9 +117,10 @@ def test_fused_drafter_drafts_the_same(tiny_checkpoint, kernels):
 
 @pytest.mark.parametrize("compute", ["int8", "q4"])
 def test_rows_the_walk_reaches_later_equal_the_full_forward(tiny_checkpoint, compute):
-    """The engine's verify computes the head for the principal path only; every other node's logits, computed
-    when a walk reaches it (verify.TreeLogits), are the bits a forward with every row's logits gives."""
-    from drafttree.engine import verify_input
+    """The engine's verify computes the head for a larger tree's principal path only; every other node's logits,
+    computed when a walk reaches it (verify.TreeLogits), are the bits a forward with every row's logits gives. A small
+    tree gets every node's logits in the forward, with the same bits, and a walk never calls the head again."""
+    from drafttree.engine import ALL_LOGITS_MAX_NODES, verify_input
     from drafttree.model.verify_input import VerifyInput
     from drafttree.tree import random_tree
     from drafttree.verify import TreeLogits
@@ -125,19 +128,20 @@ def test_rows_the_walk_reaches_later_equal_the_full_forward(tiny_checkpoint, com
     m = int8_target(tiny_checkpoint[0], compute=compute).model
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, m.config.vocab_size, (7,), generator=gen)
-    for shape in ("random", "star", "deep", "chain"):
-        tree = random_tree(11, m.config.vocab_size, shape, gen)
+    for shape, drafts in itertools.product(("random", "star", "deep", "chain"), (11, ALL_LOGITS_MAX_NODES - 1)):
+        tree = random_tree(drafts, m.config.vocab_size, shape, gen)
         full_state, lazy_state = m.new_state(64), m.new_state(64)
         m.prefill(full_state, prompt)
         m.prefill(lazy_state, prompt)
         full = m.verify(full_state, VerifyInput.of_tree(tree, prompt.numel())).logits
         batch = verify_input(tree, prompt.numel())
-        assert batch.logits_rows.tolist() == tree.principal_path()
+        small = tree.num_nodes <= ALL_LOGITS_MAX_NODES
+        assert batch.logits_rows.tolist() == (list(range(tree.num_nodes)) if small else tree.principal_path())
         res = m.verify(lazy_state, batch)
         lazy = TreeLogits(tree, res.logits, batch.logits_rows.tolist(), res.hidden, m.row_logits)
         for node in reversed(range(tree.num_nodes)):  # off-path nodes first: each costs one more head call
             assert torch.equal(lazy(node), full[node]), (shape, node)
-        assert lazy.head_calls <= 1 + tree.num_nodes - len(tree.principal_path())
+        assert lazy.head_calls == 1 if small else lazy.head_calls <= 1 + tree.num_nodes - len(tree.principal_path())
 
 
 def test_every_module_with_a_fused_form_is_switched_by_type(tiny_checkpoint):
