@@ -3,6 +3,7 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <atomic>
 #include <vector>
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor sw, torch::Tensor wsum,
@@ -33,6 +34,8 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m,
                         c10::optional<torch::Tensor> bias, int64_t n_out, int64_t isa);
 int64_t amx_mode(int64_t mode);
+int64_t weight_prefetch(int64_t bytes);
+extern std::atomic<int64_t> weight_prefetch_bytes;  // the weight kernels' software prefetch distance (bytes; 0 none)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, int64_t isa);
 torch::Tensor silu_mul(torch::Tensor gate_up, int64_t isa);
 std::vector<torch::Tensor> decoder_stack(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& layers,

@@ -58,3 +58,30 @@ def test_unpack_inverts_the_kernel_layout():
         q, d, m = quantize_q4_1(torch.randn(n, k, generator=torch.Generator().manual_seed(n)))
         back = unpack_q4(*pack_q4(q, d, m), n)
         assert all(torch.equal(a, b) for a, b in zip(back, (q, d, m))), (n, k)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_weight_prefetch_changes_no_bit(isa):
+    """The int8 / q4 / 8-bit-block kernels' software prefetch (kernels.h: weight_prefetch_bytes, from 2 rows on) only
+    moves weights into cache early: every distance, none included, gives the same bits on every path."""
+    from drafttree.ops.cpu_extension import extension
+    from drafttree.ops.int8 import int8_linear, prepare_weight
+    from drafttree.ops.q4 import pack_q8, q8_linear
+
+    ext = extension()
+    default = ext.weight_prefetch(-1)
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 576, generator=gen) * 0.05
+    q4, q8, i8 = pack_q4(*quantize_q4_1(w)), pack_q8(*quantize_q4_1(w)), prepare_weight(w)
+    try:
+        for t in (1, 3, 8, 9, 20):
+            x = torch.randn(t, 576, generator=gen)
+            outs = []
+            for distance in (0, 64, 4096, default):
+                ext.weight_prefetch(distance)
+                outs.append((q4_linear(x, *q4, None, 300, isa), q8_linear(x, *q8, None, 300, isa),
+                             int8_linear(x, *i8, None, isa)))
+            for other in outs[1:]:
+                assert all(torch.equal(a, b) for a, b in zip(outs[0], other)), t
+    finally:
+        ext.weight_prefetch(default)

@@ -12,6 +12,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "../kernels.h"
+
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -123,6 +125,7 @@ struct TileArgs {
   const int8_t* w;   // first panel of the tile, panels panel_stride bytes apart
   int64_t Kp, panel_stride;
   int32_t* acc;      // [TT][NP*16]
+  int64_t prefetch;  // bytes ahead of its weights the tile prefetches (0: none; the panels' first row tile only)
 };
 
 template <int NP, int TT>
@@ -147,8 +150,11 @@ __attribute__((target("avx2"))) void tile_avx2(const TileArgs& a) {
   for (int i = 0; i < TT; ++i)
     for (int v = 0; v < V; ++v) acc[i][v] = _mm256_setzero_si256();
   const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t pf = a.prefetch;
   for (int64_t k = 0; k < a.Kp; k += 4) {
     __m256i wv[V];
+    for (int p = 0; p < NP; ++p)
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(a.w + p * a.panel_stride + k * kPanel) + pf, _MM_HINT_T0);
     for (int p = 0; p < NP; ++p)
       for (int h = 0; h < 2; ++h)
         wv[p * 2 + h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.w + p * a.panel_stride + k * kPanel + h * 32));
@@ -174,9 +180,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const Tile
   __m512i acc[TT][NP];
   for (int i = 0; i < TT; ++i)
     for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_setzero_si512();
+  const int64_t pf = a.prefetch;
   for (int64_t k = 0; k < a.Kp; k += 4) {
     __m512i wv[NP];
-    for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_si512(a.w + p * a.panel_stride + k * kPanel);
+    for (int p = 0; p < NP; ++p) {
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(a.w + p * a.panel_stride + k * kPanel) + pf, _MM_HINT_T0);
+      wv[p] = _mm512_loadu_si512(a.w + p * a.panel_stride + k * kPanel);
+    }
     for (int i = 0; i < TT; ++i) {
       int32_t four;
       std::memcpy(&four, a.x + i * a.Kp + k, 4);
@@ -424,13 +434,14 @@ void gemm(const int8_t* xq, const float* sx, int64_t T, const int8_t* wp, const 
   const int max_tt = stream ? VnniStreamTiles::kTT : 4;
   // Enough weight bytes per task that waking a second thread pays (~64 KiB).
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / panel_stride);
+  const int64_t prefetch = T >= 2 ? weight_prefetch_bytes.load(std::memory_order_relaxed) : 0;  // as q4_linear's
   at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
     alignas(64) int32_t acc[16 * kPanel];  // the largest tile: 16 rows x 1 panel, or 4 x 4
     for (int64_t p0 = begin; p0 < end; p0 += max_np) {
       const int np = static_cast<int>(std::min<int64_t>(max_np, end - p0));
       for (int64_t t0 = 0; t0 < T; t0 += max_tt) {
         const int tt = static_cast<int>(std::min<int64_t>(max_tt, T - t0));
-        const TileArgs args{xq + t0 * Kp, wp + p0 * panel_stride, Kp, panel_stride, acc};
+        const TileArgs args{xq + t0 * Kp, wp + p0 * panel_stride, Kp, panel_stride, acc, t0 == 0 ? prefetch : 0};
         TileFn fn = isa == kAvx2 ? avx2_tile(tt)
                     : stream ? VnniStreamTiles::get(tt)
                     : isa == kAvx512Vnni ? VnniTiles::get(np, tt) : ScalarTiles::get(np, tt);
@@ -503,6 +514,13 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor sw, t
     gemm(xq.data_ptr<int8_t>(), sx.data_ptr<float>(), T, wp.data_ptr<int8_t>(), sw.data_ptr<float>(),
          wsum.data_ptr<int32_t>(), b, N, Kp, isa, y.data_ptr<float>());
   return y;
+}
+
+std::atomic<int64_t> weight_prefetch_bytes{4096};
+
+int64_t weight_prefetch(int64_t bytes) {
+  if (bytes >= 0) weight_prefetch_bytes.store(bytes);
+  return weight_prefetch_bytes.load();
 }
 
 // Tests and benches: -1 asks, 0 turns AMX off, 1 on where the CPU allows it; returns the mode now.
