@@ -4,10 +4,14 @@ medians of interleaved repeats; prints the CPU's ISA beside the figures. With --
 rows in one batched forward (TargetModel.verify_many, a serving turn of batched AR), each on its own context of the
 same length: whether a turn's rows cost what a tree's rows do (the batch policy prices them by the tree curve).
 
+With --prefetch 0,4096 the weight kernels' software prefetch distances (bytes; kernels.h) are interleaved too: the
+curve without and with it in one run.
+
   .venv/bin/python bench/verify_curve.py --threads 2 [--context 200] [--tokens 1,2,3,4,8,16] [--batch] \
-      [--out curve.json]
+      [--prefetch 0,4096] [--out curve.json]
 """
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -29,52 +33,67 @@ def main() -> None:
     p.add_argument("--tokens", default="1,2,3,4,8,16")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--batch", action="store_true", help="also n requests' one-token rows in one batched forward")
+    p.add_argument("--prefetch", default=None, help="comma list of weight prefetch distances in bytes to interleave "
+                                                     "(default: the kernels' own)")
     p.add_argument("--out")
     a = p.parse_args()
+    from drafttree.ops.cpu_extension import extension
+
+    kernels = extension()
+    default_prefetch = kernels.weight_prefetch(-1)
+    prefetches = [default_prefetch] if a.prefetch is None else [int(x) for x in a.prefetch.split(",")]
     torch.set_num_threads(a.threads)
     target = load_target(a.model, threads=a.threads, compute=a.compute)
     model, counts = target.model, [int(n) for n in a.tokens.split(",")]
     vocab, gen = model.config.vocab_size, torch.Generator().manual_seed(0)
     state = model.new_state(a.context + max(counts) + 1)
     kinds = ("verify_ms", "head_ms", "batch_ms") if a.batch else ("verify_ms", "head_ms")
-    times: dict[int, dict[str, list[float]]] = {n: {k: [] for k in kinds} for n in counts}
+    times: dict[tuple[int, int], dict[str, list[float]]] = {(pf, n): {k: [] for k in kinds}
+                                                            for pf in prefetches for n in counts}
     with torch.no_grad():
         model.prefill(state, torch.randint(0, vocab, (a.context,), generator=gen))
         others = [model.new_state(a.context + 2) for _ in range(max(counts) if a.batch else 0)]
         for s in others:  # each request of a batched turn on its own context
             model.prefill(s, torch.randint(0, vocab, (a.context,), generator=gen))
-        for rep in range(a.repeats + 1):  # the first pass warms up
-            for n in counts:  # interleaved: a load change hits every size alike
-                batch = VerifyInput.of_tree(random_tree(n - 1, vocab, "chain", gen), a.context)
-                t0 = time.perf_counter()
-                model.verify(state, batch)  # never committed: every repeat verifies on the same context
-                t1 = time.perf_counter()
-                model.row_logits(torch.randn(n, model.config.hidden_size, generator=gen))
-                t2 = time.perf_counter()
-                if a.batch:
-                    one = [VerifyInput.of_tree(random_tree(0, vocab, "chain", gen), a.context) for _ in range(n)]
-                    t3 = time.perf_counter()
-                    model.verify_many(others[:n], one, [()] * n)
-                    if rep:
-                        times[n]["batch_ms"].append((time.perf_counter() - t3) * 1e3)
+        for rep, pf, n in itertools.product(range(a.repeats + 1), prefetches, counts):  # the first pass warms up
+            # interleaved: a load change hits every size and distance alike
+            kernels.weight_prefetch(pf)
+            batch = VerifyInput.of_tree(random_tree(n - 1, vocab, "chain", gen), a.context)
+            t0 = time.perf_counter()
+            model.verify(state, batch)  # never committed: every repeat verifies on the same context
+            t1 = time.perf_counter()
+            model.row_logits(torch.randn(n, model.config.hidden_size, generator=gen))
+            t2 = time.perf_counter()
+            if a.batch:
+                one = [VerifyInput.of_tree(random_tree(0, vocab, "chain", gen), a.context) for _ in range(n)]
+                t3 = time.perf_counter()
+                model.verify_many(others[:n], one, [()] * n)
                 if rep:
-                    times[n]["verify_ms"].append((t1 - t0) * 1e3)
-                    times[n]["head_ms"].append((t2 - t1) * 1e3)
-    med = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}
-    one = med[counts[0]]["verify_ms"]
-    print(f"{cpu_info().model}; {target.compute_label}; {a.threads} threads; context {a.context}")
+                    times[pf, n]["batch_ms"].append((time.perf_counter() - t3) * 1e3)
+            if rep:
+                times[pf, n]["verify_ms"].append((t1 - t0) * 1e3)
+                times[pf, n]["head_ms"].append((t2 - t1) * 1e3)
+    kernels.weight_prefetch(default_prefetch)
+    med = {key: {k: statistics.median(v) for k, v in t.items()} for key, t in times.items()}
+    print(f"{cpu_info().model}; {cpu_info().isa_summary}; {target.compute_label}; {a.threads} threads; "
+          f"context {a.context}")
     extra = " batched turn of n requests ms | turn ÷ tree |" if a.batch else ""
     rule = "|---:|---:|---:|---:|" + ("---:|---:|" if a.batch else "")
-    print(f"| tokens | verify ms | × first | LM head ms |{extra}\n{rule}")
-    for n in counts:
-        row = f"| {n} | {med[n]['verify_ms']:.2f} | {med[n]['verify_ms'] / one:.2f}× | {med[n]['head_ms']:.2f} |"
-        if a.batch:
-            row += f" {med[n]['batch_ms']:.2f} | {med[n]['batch_ms'] / med[n]['verify_ms']:.2f} |"
-        print(row)
+    print(f"| prefetch bytes | tokens | verify ms | × first | LM head ms |{extra}\n|---{rule}")
+    for pf in prefetches:
+        one = med[pf, counts[0]]["verify_ms"]
+        for n in counts:
+            m = med[pf, n]
+            row = f"| {pf} | {n} | {m['verify_ms']:.2f} | {m['verify_ms'] / one:.2f}× | {m['head_ms']:.2f} |"
+            if a.batch:
+                row += f" {m['batch_ms']:.2f} | {m['batch_ms'] / m['verify_ms']:.2f} |"
+            print(row)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"cpu": cpu_info().model, "isa": cpu_info().isa_summary, "compute": target.compute_label,
-                       "threads": a.threads, "context": a.context, "medians": med}, f, indent=1)
+                       "threads": a.threads, "context": a.context,
+                       "medians": {f"prefetch {pf}": {n: med[pf, n] for n in counts} for pf in prefetches}}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":
