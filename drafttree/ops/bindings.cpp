@@ -15,7 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rope_tree_attention for several requests' rows, each against its own cache (ops/attention)", no_gil);
   m.def("q4_linear", &q4_linear, "GGUF Q4_1 blocks x per-row int8 activations (ops/q4)", no_gil);
   m.def("q8_linear", &q8_linear, "8-bit blocks of 32 (w = d*q + m) x per-block int8 activations (ops/q4)", no_gil);
-  m.def("weight_prefetch", &weight_prefetch, "bytes ahead of the weights the int8 / q4 kernels prefetch (0 none; -1 asks)");
+  m.def("weight_prefetch", &weight_prefetch, "bytes ahead the int8 / q4 kernels prefetch weights (0 none; -1 asks)");
   m.def("amx_mode", &amx_mode, "int8_linear's AMX tiles: -1 asks, 0 off, 1 on where the CPU has them (ops/int8)");
   m.def("rms_norm", &rms_norm, "row-wise RMSNorm (ops/pointwise)", no_gil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up (ops/pointwise)", no_gil);

@@ -22,7 +22,6 @@
 #include "../kernels.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -82,7 +81,6 @@ void tile_scalar(const Args& a) {
       }
 }
 
-// VNNI: vpdpbusd multiplies the unsigned values (nibbles or bytes) by the signed inputs directly (no offset needed).
 // Software prefetch of panel p's block b, `pf` bytes ahead (kernels.h: weight_prefetch_bytes): its values and, every
 // other block (a 64-byte line holds two blocks' 16 fp16 scales), its d and m as far ahead in their own streams. Panels
 // are contiguous, so near a panel's end this fetches the next one's start, which the next tile reads.
@@ -98,6 +96,7 @@ inline void prefetch_block(const Args& a, int p, int64_t b, int64_t pf) {
   }
 }
 
+// VNNI: vpdpbusd multiplies the unsigned values (nibbles or bytes) by the signed inputs directly (no offset needed).
 template <int Bits, int NP, int TT>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const Args& a) {
   const int64_t nb = a.K / kBlock;
