@@ -174,12 +174,8 @@ class Sequence:
         # a tree comes from the proposer; verify_input asked for the logits of all its nodes or its principal path
         assert self.proposer is not None and res.logits is not None and batch.logits_rows is not None
         with stats.timed("verify_s"):
-            if tree.num_nodes == 1:  # a plain round (a gate's, or nothing drafted): the AR step's token, no walk
-                token = int(next_token(res.logits[0], self.sampling, self.gen))  # what the walk draws at the root
-                acc = Acceptance(torch.zeros(1, dtype=torch.long), token)
-            else:
-                logits = TreeLogits(tree, res.logits, batch.logits_rows.tolist(), res.hidden, self.model.row_logits)
-                acc = walk_tree(tree, logits, self.sampling, self.gen)
+            logits = TreeLogits(tree, res.logits, batch.logits_rows.tolist(), res.hidden, self.model.row_logits)
+            acc = walk_tree(tree, logits, self.sampling, self.gen)
             self.model.commit(state, acc.nodes)
         with stats.timed("draft_s"):
             features = None if res.features is None else res.features[acc.nodes]

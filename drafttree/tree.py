@@ -149,8 +149,6 @@ class DraftTree:
     def truncated(self, max_nodes: int, max_depth: int) -> "DraftTree":
         """The first `max_nodes` nodes (root included) no deeper than `max_depth`: still a tree, since
         parents precede children and are shallower. Itself when nothing is cut."""
-        if self.num_nodes == 1:
-            return self
         keep = (self.depths <= max_depth).nonzero().flatten()[:max(1, max_nodes)]
         if keep.numel() == self.num_nodes:
             return self

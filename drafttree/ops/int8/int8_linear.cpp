@@ -434,7 +434,7 @@ void gemm(const int8_t* xq, const float* sx, int64_t T, const int8_t* wp, const 
   const int max_tt = stream ? VnniStreamTiles::kTT : 4;
   // Enough weight bytes per task that waking a second thread pays (~64 KiB).
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / panel_stride);
-  const int64_t prefetch = T >= 2 ? weight_prefetch_bytes.load(std::memory_order_relaxed) : 0;  // as q4_linear's
+  const int64_t prefetch = weight_prefetch_for(T);
   at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
     alignas(64) int32_t acc[16 * kPanel];  // the largest tile: 16 rows x 1 panel, or 4 x 4
     for (int64_t p0 = begin; p0 < end; p0 += max_np) {

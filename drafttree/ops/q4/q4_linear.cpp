@@ -290,10 +290,7 @@ torch::Tensor blocks_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, t
   const bool stream = isa == kAvx512Vnni && T <= kStreamRows;
   const int max_np = isa == kAvx2 || stream ? 1 : 2, max_tt = stream ? kStreamRows : 4;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / q_stride);
-  // Software prefetch for several rows only: there the tiles' arithmetic per weight byte keeps fewer loads in flight
-  // than the hardware prefetchers need (EMR, 2 threads, 3-9 rows: the forward 3-12 % faster at 4 KiB ahead), while a
-  // one-row step measured 2-6 % slower with it.
-  const int64_t prefetch = T >= 2 ? weight_prefetch_bytes.load(std::memory_order_relaxed) : 0;
+  const int64_t prefetch = weight_prefetch_for(T);
   at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[4 * 2 * kPanel];
     for (int64_t p0 = begin; p0 < end; p0 += max_np) {
