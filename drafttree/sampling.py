@@ -66,8 +66,16 @@ def greedy_token(logits: torch.Tensor) -> int:
     return int(logits.argmax())
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """greedy_token of every row of logits [..., V] (int64 [...]): the batched generators' step takes one per
+    sequence (ATen's argmax over 64 x 49,152 logits ~3 ms, numpy's a tenth of it)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and logits.numel():
+        return torch.from_numpy(logits.detach().numpy().argmax(-1))
+    return logits.argmax(-1)
+
+
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """Greedy argmax or one sample per row of logits [..., V]."""
     if params.greedy:
-        return torch.tensor(greedy_token(logits)) if logits.dim() == 1 else logits.argmax(-1)
+        return torch.tensor(greedy_token(logits)) if logits.dim() == 1 else greedy_tokens(logits)
     return sample_from(sampling_probs(logits, params), generator)

@@ -76,3 +76,19 @@ def test_greedy_token_is_torch_argmax():
         assert greedy_token(row) == int(row.argmax()), row.dtype
     with pytest.raises(ValueError, match="one row"):
         greedy_token(torch.zeros(2, 3))
+
+
+def test_greedy_tokens_are_torch_argmax_per_row():
+    """sampling.greedy_tokens (the batched generators' argmax): each row's torch.argmax, ties, NaN and -inf rows
+    included, on contiguous, transposed and 3-D logits."""
+    from drafttree.sampling import greedy_tokens
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 1000, generator=gen)
+    x[3, [10, 500]] = 9.0
+    x[5, 77] = float("nan")
+    x[7] = float("-inf")
+    for logits in (x, x.double(), torch.randn(300, 12, generator=gen).t(), torch.randn(2, 3, 50, generator=gen),
+                   x.bfloat16()):
+        got = greedy_tokens(logits)
+        assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(-1)), logits.shape

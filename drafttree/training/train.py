@@ -19,6 +19,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from tqdm import tqdm
 
 from drafttree.atomic import atomic_path, atomic_write_text
 from drafttree.drafter.checkpoint import load_drafter, save_drafter
+from drafttree.drafter.reduce_vocab import RANK_FILE, load_rank, narrow_draft_vocab
 from drafttree.training.data import FeatureDataset
 from drafttree.training.loss import linear_ce_kl, linear_cross_entropy
 from drafttree.drafter.model import DFlashConfig, DFlashDrafter, block_attention_mask
@@ -57,6 +59,9 @@ class TrainConfig:
     max_context: int | None = None  # clip context to the last N tokens before the anchor (None: all)
     stop_at: int | None = None  # end this run after that step (schedule still spans `steps`): time-sliced jobs
     soft_target_weight: float = 0.0  # lambda of the top-k sparse KL to the target (anchor-label shards with top-k)
+    # score the loss over the init drafter's `loss_vocab` highest-ranked draft ids (0: its whole draft vocabulary):
+    # the ids decoding narrows the head to (methods.DEFAULT_DRAFT_VOCAB), at a fraction of the head's matmuls
+    loss_vocab: int = 0
 
 
 # ---- batches ------------------------------------------------------------------------------
@@ -175,11 +180,50 @@ class BlockForward(nn.Module):
         return d(context_features, context_positions, blocks, block_positions, attn_mask)
 
 
-def block_loss(hidden: torch.Tensor, batch: dict, head: torch.Tensor, drafter: DFlashDrafter, chunk_rows: int,
-               soft_weight: float = 0.0):
-    """Weighted CE of block rows 1..B-1 (same-position targets), plus soft_weight x the weighted top-k sparse
-    KL to the target's distribution where the batch has one. Returns (loss, correct [nb,B-1] bool)."""
-    B, H = drafter.config.block_size, drafter.config.hidden_size
+class LossHead(NamedTuple):
+    """The rows of the target's frozen LM head the loss scores (in the dtype its matmuls run in) and the token id of
+    each row (None: every id, in order). Targets outside these ids cannot be drafted and carry no loss."""
+    weight: torch.Tensor
+    ids: torch.Tensor | None
+    columns: torch.Tensor | None  # [vocab]: each token id's row of `weight`, -1 where it has none
+
+
+def loss_vocab_ranking(init_from: str | Path | None, size: int) -> Path:
+    """The ranking file `--loss-vocab` reads: the one beside the drafter training starts from."""
+    if init_from is None or not (Path(init_from) / RANK_FILE).exists():
+        raise InputError(f"--loss-vocab {size} needs {RANK_FILE} beside the --init-from drafter (the ranking decoding "
+                         "narrows by; `python -m drafttree.training.text_vocab --rank-out` writes it), or leave "
+                         "--loss-vocab at 0")
+    return Path(init_from) / RANK_FILE
+
+
+def loss_head(lm_head: torch.Tensor, drafter: DFlashDrafter, dtype: torch.dtype, ranked_ids: torch.Tensor | None = None,
+              size: int = 0) -> LossHead:
+    """The drafter's draft vocabulary, or with `size` the `size` highest-ranked of its ids (`ranked_ids`: the
+    drafter's draft_vocab_rank): the vocabulary decoding narrows the head to, so training scores what decoding
+    drafts, and the head's matmuls (the largest cost of a step) shrink with it."""
+    if size:
+        if ranked_ids is None:
+            raise InputError("--loss-vocab needs the draft vocabulary's ranking (draft_vocab_rank.safetensors beside "
+                             "the --init-from drafter; `python -m drafttree.training.text_vocab --rank-out` writes it)")
+        view = DFlashDrafter.__new__(DFlashDrafter)  # config and draft_vocab only: the narrowing's checks, not a copy
+        view.config, view.draft_vocab = drafter.config, drafter.draft_vocab
+        narrow_draft_vocab(view, ranked_ids, size)
+        ids = view.draft_vocab
+    else:
+        ids = drafter.draft_vocab if drafter.config.draft_vocab_size else None
+    if ids is None:
+        return LossHead(lm_head.detach().to(dtype).contiguous(), None, None)
+    columns = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long)
+    columns[ids] = torch.arange(ids.numel())
+    return LossHead(lm_head.detach()[ids].to(dtype).contiguous(), ids, columns)
+
+
+def block_loss(hidden: torch.Tensor, batch: dict, head: LossHead, chunk_rows: int, soft_weight: float = 0.0):
+    """Weighted CE of block rows 1..B-1 (same-position targets) over the head's ids, plus soft_weight x the
+    weighted top-k sparse KL to the target's distribution where the batch has one. Returns (loss, correct
+    [nb,B-1] bool)."""
+    B, H = batch["labels"].shape[-1] + 1, hidden.shape[-1]
     rows = hidden.reshape(-1, B, H)[:, 1:].reshape(-1, H)
     labels, weights = batch["labels"].reshape(-1), batch["weights"].reshape(-1)
     soft = soft_weight > 0 and "topk_ids" in batch
@@ -188,21 +232,19 @@ def block_loss(hidden: torch.Tensor, batch: dict, head: torch.Tensor, drafter: D
         top_lp = batch["topk_logprobs"].reshape(rows.shape[0], -1)
         soft_w = weights * torch.isfinite(top_lp).any(-1)
     targets = labels
-    if drafter.config.draft_vocab_size:  # targets outside the draft vocabulary cannot be drafted: no loss
-        lookup = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long)
-        lookup[drafter.draft_vocab] = torch.arange(drafter.draft_vocab.numel())
-        targets = torch.where(labels >= 0, lookup[labels.clamp(min=0)], -1)
+    if head.ids is not None:  # targets outside the head's ids cannot be drafted: no loss
+        targets = torch.where(labels >= 0, head.columns[labels.clamp(min=0)], -1)
         weights = weights * (targets >= 0)
         if soft:  # soft targets outside it drop out of the renormalised top-k
-            top_ids = lookup[top_ids]
+            top_ids = head.columns[top_ids]
             top_lp = top_lp.masked_fill(top_ids < 0, float("-inf"))
             top_ids = top_ids.clamp(min=0)
     if soft:
-        losses, kl, preds = linear_ce_kl(rows, head, targets, top_ids, top_lp, chunk_rows)
+        losses, kl, preds = linear_ce_kl(rows, head.weight, targets, top_ids, top_lp, chunk_rows)
     else:
-        losses, preds = linear_cross_entropy(rows, head, targets, chunk_rows)
-    if drafter.config.draft_vocab_size:
-        preds = drafter.draft_vocab[preds]
+        losses, preds = linear_cross_entropy(rows, head.weight, targets, chunk_rows)
+    if head.ids is not None:
+        preds = head.ids[preds]
     loss = (losses * weights).sum() / weights.sum().clamp(min=1e-8)
     if soft:
         loss = loss + soft_weight * (kl * soft_w).sum() / soft_w.sum().clamp(min=1e-8)
@@ -230,7 +272,7 @@ def heldout_batches(data: FeatureDataset, cfg: DFlashConfig, tc: TrainConfig, se
 
 
 @torch.no_grad()
-def heldout_metrics(model: nn.Module, batches: list[dict], drafter: DFlashDrafter, head: torch.Tensor, tc: TrainConfig,
+def heldout_metrics(model: nn.Module, batches: list[dict], drafter: DFlashDrafter, head: LossHead, tc: TrainConfig,
                     use_bf16: bool) -> dict:
     """Block τ and top-1 accuracy by depth on the held-out batches, the same anchors every time: the curve that
     tells learning from memorising."""
@@ -241,7 +283,7 @@ def heldout_metrics(model: nn.Module, batches: list[dict], drafter: DFlashDrafte
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
             hidden = model(batch["context_features"].float(), batch["context_positions"], batch["anchor_tokens"],
                            batch["block_positions"], batch["attn_mask"])
-        _, correct = block_loss(hidden, batch, head, drafter, tc.ce_chunk_rows)
+        _, correct = block_loss(hidden, batch, head, tc.ce_chunk_rows)
         total = {k: total[k] + v for k, v in block_tally(correct, batch["labels"]).items()}
     drafter.train(was_training)
     valid = torch.as_tensor(total["valid"]).clamp(min=1)
@@ -421,8 +463,9 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
                          f"{cfg.vocab_size}: train against the target the drafter was made for")
     drafter.train()
     use_bf16 = _use_bf16(tc.bf16)
-    # frozen, sliced to the draft vocabulary once, in the dtype its matmuls run in
-    head = drafter.head_weight(lm_head_weight.detach()).to(torch.bfloat16 if use_bf16 else torch.float32)
+    # frozen, sliced to the loss's vocabulary once, in the dtype its matmuls run in
+    ranked = load_rank(loss_vocab_ranking(init_from, tc.loss_vocab)) if tc.loss_vocab else None
+    head = loss_head(lm_head_weight, drafter, torch.bfloat16 if use_bf16 else torch.float32, ranked, tc.loss_vocab)
     embed = embed_weight.detach()
     model = BlockForward(drafter, embed)
     if world > 1:
@@ -462,7 +505,7 @@ def train_drafter(data_dir: str | Path, out_dir: str | Path, embed_weight: torch
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
                 hidden = model(batch["context_features"].float(), batch["context_positions"], batch["anchor_tokens"],
                                batch["block_positions"], batch["attn_mask"])
-            loss, correct = block_loss(hidden, batch, head, drafter, tc.ce_chunk_rows, tc.soft_target_weight)
+            loss, correct = block_loss(hidden, batch, head, tc.ce_chunk_rows, tc.soft_target_weight)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
         opt.step()
@@ -616,6 +659,9 @@ def check_arguments(a) -> None:
     check_int("--block-size", a.block_size, 2, MAX_BLOCK_SIZE)
     check_int("--warmup-steps", a.warmup_steps, minimum=0)
     check_int("--draft-vocab", a.draft_vocab, minimum=0)
+    check_int("--loss-vocab", a.loss_vocab, minimum=0)
+    if a.loss_vocab:
+        loss_vocab_ranking(a.init_from, a.loss_vocab)
     check_int("--threads", a.threads, minimum=0)
     if a.threads:
         check_threads(a.threads)

@@ -12,7 +12,7 @@ from drafttree.training.anchor_labels import (anchor_blocks, anchor_positions, c
 from drafttree.training.data import AnchorShardWriter, FeatureDataset
 from drafttree.training.loss import linear_ce_kl
 from drafttree.drafter.model import DFlashDrafter
-from drafttree.training.train import TrainConfig, block_loss, build_batch, train_drafter
+from drafttree.training.train import TrainConfig, block_loss, build_batch, loss_head, train_drafter
 from drafttree.engine import generate_ar
 from drafttree.load import load_target
 
@@ -232,8 +232,8 @@ def test_soft_target_training_lowers_the_loss(tmp_path):
     with torch.no_grad():
         hid = BlockForward(d, embed)(batch["context_features"].float(), batch["context_positions"],
                                      batch["anchor_tokens"], batch["block_positions"], batch["attn_mask"])
-    hard, _ = block_loss(hid, batch, embed, d, 64)
-    both, _ = block_loss(hid, batch, embed, d, 64, soft_weight=1.0)
+    hard, _ = block_loss(hid, batch, loss_head(embed, d, torch.float32), 64)
+    both, _ = block_loss(hid, batch, loss_head(embed, d, torch.float32), 64, soft_weight=1.0)
     assert both > hard
 
 

@@ -5,6 +5,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -107,6 +108,48 @@ def test_reduced_draft_vocab_trains(tmp_path):
     assert set(d.draft_vocab.tolist()) == set(counts.argsort(descending=True, stable=True)[:40].tolist())
 
 
+def test_loss_vocab_scores_the_top_ranked_draft_ids(tmp_path):
+    """--loss-vocab N: the loss is the cross-entropy over the N highest-ranked draft ids (the head decoding narrows
+    to), labels outside them carry none, predictions come back as token ids; the saved drafter keeps its whole
+    draft vocabulary."""
+    from drafttree.drafter.checkpoint import save_drafter
+    from drafttree.drafter.reduce_vocab import RANK_FILE, save_rank
+    from drafttree.training.train import block_loss, loss_head
+    from drafttree.validate import InputError
+
+    data, _, embed = synthetic(tmp_path)
+    torch.manual_seed(0)
+    d = DFlashDrafter(tiny_cfg(draft_vocab_size=40)).float()
+    d.set_draft_vocab(torch.arange(3, 43))
+    ranked = torch.arange(3, 43)[torch.randperm(40, generator=torch.Generator().manual_seed(1))]
+    head = loss_head(embed, d, torch.float32, ranked, 16)
+    assert torch.equal(head.ids, ranked[:16].sort().values) and torch.equal(head.weight, embed[head.ids])
+    batch = build_batch([FeatureDataset(data)[i] for i in range(3)], d.config, 6, torch.Generator().manual_seed(0),
+                        gamma=7.0)
+    with torch.no_grad():
+        hid = BlockForward(d, embed)(batch["context_features"].float(), batch["context_positions"],
+                                     batch["anchor_tokens"], batch["block_positions"], batch["attn_mask"])
+        loss, correct = block_loss(hid, batch, head, 64)
+    B = d.config.block_size  # the reference: plain cross-entropy over the kept columns, kept labels only
+    rows = hid.reshape(-1, B, H)[:, 1:].reshape(-1, H)
+    logits, labels, w = rows @ embed[head.ids].t(), batch["labels"].reshape(-1), batch["weights"].reshape(-1)
+    keep = torch.isin(labels, head.ids)
+    col = torch.searchsorted(head.ids, labels.clamp(min=0)).clamp(max=15)
+    ce = torch.logsumexp(logits, -1) - logits.gather(1, col[:, None])[:, 0]
+    assert 0 < int(keep.sum()) < int((labels >= 0).sum())  # some labels in, some out
+    torch.testing.assert_close(loss, (ce * w * keep).sum() / (w * keep).sum())
+    assert torch.equal(correct.reshape(-1), head.ids[logits.argmax(-1)] == labels)
+    # a run: the ranking comes from beside --init-from, and the trained drafter keeps all 40 draft ids
+    init = save_drafter(d, tmp_path / "init")
+    tc = TrainConfig(steps=2, seqs_per_step=2, blocks_per_seq=4, log_every=1, loss_vocab=16)
+    with pytest.raises(InputError, match="--loss-vocab 16 needs draft_vocab_rank"):
+        train_drafter(data, tmp_path / "run", embed, embed, None, tc, init_from=init, progress=False)
+    save_rank(ranked, init / RANK_FILE)
+    train_drafter(data, tmp_path / "run", embed, embed, None, tc, init_from=init, progress=False)
+    out = load_drafter(tmp_path / "run" / "drafter")
+    assert out.config.draft_vocab_size == 40 and torch.equal(out.draft_vocab, d.draft_vocab)
+
+
 WORKER = textwrap.dedent("""
     import json, os, sys, torch
     from safetensors.torch import save_file
@@ -155,10 +198,10 @@ def test_heldout_tau_is_logged_and_rises(tmp_path):
     assert 1.0 <= rows[0]["heldout_tau"] <= 4.0 and rows[-1]["heldout_tau"] > rows[0]["heldout_tau"]
     assert res["final"]["step"] == 40 and "loss" in res["final"]
     # the same drafter scored again: the held-out anchors are fixed, so the figure repeats exactly
-    from drafttree.training.train import _use_bf16, heldout_batches, heldout_metrics
+    from drafttree.training.train import _use_bf16, heldout_batches, heldout_metrics, loss_head
 
     d, bf16 = res["drafter"], _use_bf16(tc.bf16)
-    head = d.head_weight(embed).to(torch.bfloat16 if bf16 else torch.float32)
+    head = loss_head(embed, d, torch.bfloat16 if bf16 else torch.float32)
     again = heldout_metrics(BlockForward(d, embed), heldout_batches(FeatureDataset(held), d.config, tc), d, head, tc, bf16)
     assert abs(again["heldout_tau"] - rows[-1]["heldout_tau"]) < 1e-6
 
