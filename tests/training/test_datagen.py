@@ -27,3 +27,20 @@ def test_length_sorted_windows():
     got = length_sorted(prompts, lengths, window=4)
     assert sorted(got) == sorted(prompts)
     assert got[:4] == ["p3", "p1", "p0", "p2"] and got[4:8] == ["p5", "p7", "p4", "p6"] and got[8:] == ["p9", "p8"]
+
+
+def test_package_code_prompts_from_a_licence_checked_package():
+    """--code-packages draws HumanEval-shaped prompts (the code instruction, a signature, its docstring) from a
+    listed package installed here (pluggy: pytest's own dependency); a package off the licence-checked list is
+    refused by name."""
+    import pytest
+
+    from drafttree.datasets import CODE_INSTRUCTION
+    from drafttree.training.datagen import CODE_PACKAGES, stdlib_code_prompts
+    from drafttree.validate import InputError
+
+    assert CODE_PACKAGES["pluggy"] == "MIT"
+    prompts = stdlib_code_prompts(10_000, 0, ("pluggy",))
+    assert prompts and all(p.startswith(CODE_INSTRUCTION + "def ") and '"""' in p for p in prompts)
+    with pytest.raises(InputError, match="not among the licence-checked packages"):
+        stdlib_code_prompts(10, 0, ("leftpad",))
