@@ -38,7 +38,6 @@ from ..atomic import atomic_write_text
 from ..datasets import CODE_INSTRUCTION, MATH_INSTRUCTION
 from ..validate import InputError, parse_layer_ids
 from .sources import SOURCES_INFO, contaminated, evaluation_ngrams, ngrams  # noqa: F401 - its own and its callers'
-from .data import top_logprobs
 
 GENERATOR = "anchor-blocks"
 
@@ -119,7 +118,7 @@ def anchor_blocks(model, texts: list[tuple[torch.Tensor, torch.Tensor]], block_s
     top_lp = torch.full((A, depth, top_k), float("-inf"))
 
     def topk(logits):
-        lp, ix = top_logprobs(logits, top_k)
+        lp, ix = torch.log_softmax(logits.float(), -1).topk(top_k, dim=-1)
         return ix, lp
 
     for w0 in range(0, n_total, window):

@@ -13,7 +13,7 @@ import torch
 from transformers import LogitsProcessor
 
 from ..sampling import SamplingParams
-from .data import Reply, top_logprobs
+from .data import Reply
 
 
 def _unpad_rows(step_states, layers, row, first, count):
@@ -29,7 +29,7 @@ class TopKRecorder(LogitsProcessor):
         self.k, self.steps = k, []
 
     def __call__(self, input_ids, scores):
-        lp, ids = top_logprobs(scores, self.k)
+        lp, ids = torch.log_softmax(scores.float(), dim=-1).topk(self.k, dim=-1)
         self.steps.append((ids.to(torch.int32), lp.to(torch.float16)))
         return scores
 

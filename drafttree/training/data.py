@@ -39,15 +39,6 @@ FORMAT = "drafttree-dflash-features"
 STALE_PARTIAL_S = 600  # a shard is written in seconds: an older `.partial` was left by a killed writer
 
 
-def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest log-probabilities of each row of logits [..., V] and their ids: log_softmax(logits).topk(k)
-    (the reference, tests/training/test_datagen.py) without writing the whole log_softmax, which a batched
-    generator's step over 64 x 49,152 logits spent ~3 ms on."""
-    logits = logits.float()
-    top, ids = logits.topk(k, dim=-1)
-    return top - torch.logsumexp(logits, dim=-1, keepdim=True), ids
-
-
 class Reply(NamedTuple):
     """One decoded training sequence: tokens fed to the target (prompt + reply but its last token), their
     features [T, k*H], the prompt length, and optionally the target's top-k at each row [T, k] (-inf: none)."""

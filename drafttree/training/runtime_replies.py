@@ -16,7 +16,7 @@ import torch
 
 from ..model.verify_input import VerifyInput
 from ..sampling import SamplingParams, next_token
-from .data import Reply, top_logprobs
+from .data import Reply
 
 ONE_ROW_MASK = torch.ones(1, 1, dtype=torch.bool)
 NO_PARENT = torch.tensor([-1])
@@ -72,7 +72,7 @@ def generate_runtime(model, prompts: list[torch.Tensor], max_new_tokens: int, sa
             active.append(_start(model, *waiting.popleft(), max_new_tokens, capture_layers))
         logits = torch.stack([d.logits for d in active])
         if top_k:  # the target's own distribution, before any temperature or top-p
-            lps, ids = top_logprobs(logits, top_k)
+            lps, ids = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
             ids, lps = ids.to(torch.int32), lps.to(torch.float16)
         chosen = next_token(logits, sampling, generator).tolist()
         fed = []

@@ -40,17 +40,3 @@ def test_sampled_replies_run_to_their_length(tiny_checkpoint):
                            torch.Generator().manual_seed(0), width=3)
     assert [r.tokens.numel() - r.prompt_len for r in out] == [5] * len(prompts)
     assert all(r.features.shape[0] == r.tokens.numel() and r.topk_ids is None for r in out)
-
-
-def test_top_logprobs_is_log_softmax_topk():
-    """data.top_logprobs (top-k of the logits minus their logsumexp) = log_softmax(logits).topk(k), the reference:
-    the same ids, the values to float rounding; bf16 logits are widened first."""
-    from drafttree.training.data import top_logprobs
-
-    gen = torch.Generator().manual_seed(0)
-    for logits in (torch.randn(64, 4096, generator=gen) * 6, torch.randn(5, 300, generator=gen).bfloat16(),
-                   torch.randn(2, 3, 50, generator=gen)):
-        lps, ids = top_logprobs(logits, 8)
-        ref_lps, ref_ids = torch.log_softmax(logits.float(), dim=-1).topk(8, dim=-1)
-        assert torch.equal(ids, ref_ids)
-        torch.testing.assert_close(lps, ref_lps, rtol=0, atol=2e-6)
