@@ -48,7 +48,8 @@ def gsm8k_train_prompts(path: str) -> list[str]:
 CODE_PACKAGES = {"numpy": "BSD-3-Clause", "scipy": "BSD-3-Clause", "sympy": "BSD-3-Clause", "networkx": "BSD-3-Clause",
                  "jinja2": "BSD-3-Clause", "click": "BSD-3-Clause", "pygments": "BSD-2-Clause", "rich": "MIT",
                  "tqdm": "MIT and MPL-2.0", "requests": "Apache-2.0", "packaging": "Apache-2.0 or BSD-2-Clause",
-                 "transformers": "Apache-2.0", "torch": "Apache-2.0 AND BSD-2-Clause AND BSD-3-Clause AND BSL-1.0 AND MIT",
+                 "transformers": "Apache-2.0",
+                 "torch": "Apache-2.0 AND BSD-2-Clause AND BSD-3-Clause AND BSL-1.0 AND MIT",
                  "pydantic": "MIT", "starlette": "BSD-3-Clause", "uvicorn": "BSD-3-Clause", "pyparsing": "MIT",
                  "urllib3": "MIT", "setuptools": "MIT", "pluggy": "MIT", "openai": "Apache-2.0", "typer": "MIT",
                  "psutil": "BSD-3-Clause", "dateutil": "BSD-3-Clause"}
