@@ -58,6 +58,17 @@ def narrow_draft_vocab(drafter: DFlashDrafter, ranked_ids: torch.Tensor, size: i
     """Keep the `size` highest-ranked ids of the drafter's draft vocabulary (in place; returns the drafter): a
     smaller head read per drafted row, for tokens it rarely drafts right anyway. `ranked_ids` must be a ranking of
     exactly the drafter's draft vocabulary."""
+    ids = top_ranked_ids(drafter, ranked_ids, size)
+    if size < drafter.config.draft_vocab_size:
+        drafter.config = dataclasses.replace(drafter.config, draft_vocab_size=size)
+        drafter.draft_vocab = ids.to(drafter.draft_vocab.device)
+        drafter._head_cache = None
+    return drafter
+
+
+def top_ranked_ids(drafter: DFlashDrafter, ranked_ids: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` highest-ranked ids of the drafter's draft vocabulary, ascending (as a draft vocabulary is kept);
+    `ranked_ids` must rank exactly its ids. The drafter is left as it is."""
     current = drafter.config.draft_vocab_size
     if not current:
         raise ValueError("the drafter scores the whole vocabulary: it has no draft vocabulary to narrow")
@@ -66,8 +77,4 @@ def narrow_draft_vocab(drafter: DFlashDrafter, ranked_ids: torch.Tensor, size: i
     if ranked_ids.numel() != current or not torch.equal(ranked_ids.sort().values, drafter.draft_vocab.sort().values):
         raise ValueError("the ranking does not list the drafter's draft vocabulary: rank it again for this drafter "
                          "(`python -m drafttree.training.text_vocab --rank-out`)")
-    if size < current:
-        drafter.config = dataclasses.replace(drafter.config, draft_vocab_size=size)
-        drafter.draft_vocab = ranked_ids[:size].sort().values.to(drafter.draft_vocab.device)
-        drafter._head_cache = None
-    return drafter
+    return ranked_ids[:size].sort().values

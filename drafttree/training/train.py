@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from drafttree.atomic import atomic_path, atomic_write_text
 from drafttree.drafter.checkpoint import load_drafter, save_drafter
-from drafttree.drafter.reduce_vocab import RANK_FILE, load_rank, narrow_draft_vocab
+from drafttree.drafter.reduce_vocab import RANK_FILE, load_rank, top_ranked_ids
 from drafttree.training.data import FeatureDataset
 from drafttree.training.loss import linear_ce_kl, linear_cross_entropy
 from drafttree.drafter.model import DFlashConfig, DFlashDrafter, block_attention_mask
@@ -204,12 +204,8 @@ def loss_head(lm_head: torch.Tensor, drafter: DFlashDrafter, dtype: torch.dtype,
     drafts, and the head's matmuls (the largest cost of a step) shrink with it."""
     if size:
         if ranked_ids is None:
-            raise InputError("--loss-vocab needs the draft vocabulary's ranking (draft_vocab_rank.safetensors beside "
-                             "the --init-from drafter; `python -m drafttree.training.text_vocab --rank-out` writes it)")
-        view = DFlashDrafter.__new__(DFlashDrafter)  # config and draft_vocab only: the narrowing's checks, not a copy
-        view.config, view.draft_vocab = drafter.config, drafter.draft_vocab
-        narrow_draft_vocab(view, ranked_ids, size)
-        ids = view.draft_vocab
+            raise ValueError("a loss vocabulary of `size` ids needs the drafter's ranking (`ranked_ids`)")
+        ids = top_ranked_ids(drafter, ranked_ids, size)
     else:
         ids = drafter.draft_vocab if drafter.config.draft_vocab_size else None
     if ids is None:
