@@ -54,6 +54,11 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
+def _numpy_argmax_fits(logits: torch.Tensor) -> bool:
+    """numpy's argmax gives torch's answer on non-empty CPU float32/float64 logits (first maximum, NaN as maximum)."""
+    return logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and logits.numel() > 0
+
+
 def greedy_token(logits: torch.Tensor) -> int:
     """The argmax of one row of logits [V]: the first of tied maxima, a NaN counting as the maximum (as torch.argmax,
     the reference: tests/test_sampling_lossless.py). Through numpy on CPU floats: ATen's argmax over SmolLM2's 49,152
@@ -61,15 +66,15 @@ def greedy_token(logits: torch.Tensor) -> int:
     node its walk visits: 2-3 % of a 3.5 ms decoding step each."""
     if logits.dim() != 1:
         raise ValueError(f"greedy_token takes one row of logits [V], got shape {tuple(logits.shape)}")
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and logits.numel():
+    if _numpy_argmax_fits(logits):
         return int(logits.detach().numpy().argmax())
     return int(logits.argmax())
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """greedy_token of every row of logits [..., V] (int64 [...]): the batched generators' step takes one per
-    sequence (ATen's argmax over 64 x 49,152 logits ~3 ms, numpy's a tenth of it)."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and logits.numel():
+    sequence (64 x 49,152 logits, 1 thread, Emerald Rapids AVX-512: ATen's argmax 5.0 ms, numpy's 0.45)."""
+    if _numpy_argmax_fits(logits):
         return torch.from_numpy(logits.detach().numpy().argmax(-1))
     return logits.argmax(-1)
 
