@@ -14,7 +14,9 @@ import json
 import random
 import sys
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Union
 
 import torch
 from tqdm import tqdm
@@ -128,6 +130,67 @@ def sharegpt_prompts(limit: int = 4000, seed: int = 0) -> list[str]:
     return prompts[:limit]
 
 
+@dataclass(frozen=True)
+class Conversation:
+    """A later user turn of a ShareGPT conversation with the turns before it (ChatGPT's replies as the assistant's):
+    the target answers the last user turn. Hashable, so it keys like a one-turn prompt string."""
+
+    turns: tuple[tuple[str, str], ...]  # (role, content), user first, user last
+
+    @property
+    def messages(self) -> list[dict]:
+        return [{"role": role, "content": content} for role, content in self.turns]
+
+    @property
+    def user_turns(self) -> list[str]:
+        return [content for role, content in self.turns if role == "user"]
+
+
+Prompt = Union[str, Conversation]
+
+
+def prompt_messages(prompt: Prompt) -> str | list[dict]:
+    """What `Target.encode_chat` takes."""
+    return prompt.messages if isinstance(prompt, Conversation) else prompt
+
+
+def answered_turn(prompt: Prompt) -> str:
+    """The user turn the reply answers: a conversation's last one."""
+    return prompt.user_turns[-1] if isinstance(prompt, Conversation) else prompt
+
+
+def user_turns(prompt: Prompt) -> list[str]:
+    return prompt.user_turns if isinstance(prompt, Conversation) else [prompt]
+
+
+def sharegpt_followups(limit: int, seed: int = 0, max_chars: int = 3000) -> list[Conversation]:
+    """Second and later user turns of ShareGPT conversations with the turns before them (at most `max_chars` in
+    all, every turn mostly ASCII), one per conversation, the turn drawn at random: what a chat user sends after the
+    first reply (MT-Bench's second turns are this kind of request)."""
+    rng, out = random.Random(seed), []
+    roles = {"human": "user", "gpt": "assistant"}
+    for obj in sharegpt_conversations():
+        if len(out) >= 4 * limit:
+            break
+        turns = [(roles.get(t.get("from")), str(t.get("value", "")).strip()) for t in obj.get("conversations") or []]
+        # strictly alternating user / assistant from the first turn; stop at the first turn that is not
+        alternating = []
+        for i, (role, text) in enumerate(turns):
+            if role != ("user" if i % 2 == 0 else "assistant") or not text:
+                break
+            alternating.append((role, text))
+        later = [i for i in range(2, len(alternating), 2)]  # user turns after a reply
+        if not later:
+            continue
+        end = rng.choice(later) + 1
+        conv = tuple(alternating[:end])
+        if (sum(len(t) for _, t in conv) <= max_chars
+                and all(sum(c.isascii() for c in t) > 0.95 * len(t) for _, t in conv) and len(conv[-1][1]) >= 20):
+            out.append(Conversation(conv))
+    rng.shuffle(out)
+    return out[:limit]
+
+
 @torch.inference_mode()
 def generate_packed(model, prompts: list[torch.Tensor], max_new_tokens: int, sampling: SamplingParams,
                     capture_layers: tuple[int, ...], stop_ids: set[int], generator=None):
@@ -202,8 +265,10 @@ def training_prompts(a, with_sources: bool = False):
     if a.package_code and code_packages(a):
         tagged += [(p, "python-packages-code") for p in stdlib_code_prompts(a.package_code, a.seed, code_packages(a))]
     tagged += [(p, "sharegpt") for p in (sharegpt_prompts(a.sharegpt, a.seed) if a.sharegpt else [])]
-    if seen is not None:  # prompts an earlier drafter trained on
-        tagged = [(p, src) for p, src in tagged if prompt_digest(p) not in seen]
+    tagged += [(p, "sharegpt-followups") for p in (sharegpt_followups(a.sharegpt_followups, a.seed)
+                                                   if a.sharegpt_followups else [])]
+    if seen is not None:  # prompts an earlier drafter trained on (a conversation: the turn it answers)
+        tagged = [(p, src) for p, src in tagged if prompt_digest(answered_turn(p)) not in seen]
     random.Random(a.seed).shuffle(tagged)
     tagged = tagged[: a.limit]
     return tagged if with_sources else [p for p, _ in tagged]
@@ -252,10 +317,10 @@ def check_arguments(a) -> tuple[int, ...]:
     if a.engine == "anchors":  # its own options and module; the CLI routes it there
         raise InputError("--engine anchors is drafttree.training.anchor_labels: run `drafttree train data --engine "
                          "anchors ...` (its options: `--engine anchors --help`)")
-    if not a.gsm8k and not a.code and not a.sharegpt and not a.package_code:
+    if not a.gsm8k and not a.code and not a.sharegpt and not a.package_code and not a.sharegpt_followups:
         raise InputError("no prompt source: give --gsm8k FILE (GSM8K's train jsonl), --code N (stdlib code prompts), "
-                         "--package-code N and/or --sharegpt N")
-    for name in ("code", "sharegpt", "package_code"):
+                         "--package-code N, --sharegpt N and/or --sharegpt-followups N")
+    for name in ("code", "sharegpt", "package_code", "sharegpt_followups"):
         check_int("--" + name.replace("_", "-"), getattr(a, name), minimum=0)
     if a.package_code:
         code_package_roots(code_packages(a))
@@ -297,6 +362,9 @@ def main(argv=None) -> int:
                     help="installed packages whose functions become code prompts (licence-checked list: "
                     + ", ".join(sorted(CODE_PACKAGES)) + ")")
     ap.add_argument("--sharegpt", type=int, default=0, help="number of ShareGPT first turns (training-only package)")
+    ap.add_argument("--sharegpt-followups", type=int, default=0,
+                    help="number of later ShareGPT user turns, each with the conversation before it (training-only "
+                    "package; raise --max-prompt-tokens for them)")
     ap.add_argument("--skip-seen", help="a data manifest (e.g. the shipped drafter's data-manifest.json): its prompts "
                     "are left out, so a fine-tuning round sees new ones")
     ap.add_argument("--layers", default="1,7,14,20,27", help="target layer ids whose outputs are captured")
@@ -329,7 +397,8 @@ def main(argv=None) -> int:
     from .sources import contaminated, evaluation_ngrams
 
     grams, checked = evaluation_ngrams()  # a prompt sharing a 13-word run with an evaluation text is dropped
-    clean = [(p, src) for p, src in tagged if not contaminated({"messages": [{"content": p}]}, grams)]
+    clean = [(p, src) for p, src in tagged
+             if not contaminated({"messages": [{"content": t} for t in user_turns(p)]}, grams)]
     dropped = len(tagged) - len(clean)
     part, parts = parse_part(a.part)
     clean = clean[part::parts]
@@ -344,7 +413,8 @@ def main(argv=None) -> int:
                          f"(ids 0..{target.model.config.num_layers - 1})")
     stops = set(target.stop_token_ids)
     if a.engine == "hf":  # a padded batch pays prefill for its longest prompt
-        prompts = length_sorted(prompts, [len(target.encode_chat(p)) for p in prompts], window=16 * a.batch)
+        prompts = length_sorted(prompts, [len(target.encode_chat(prompt_messages(p))) for p in prompts],
+                                window=16 * a.batch)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     progress_file = out / f"progress-{a.engine}-seed{a.seed}.json"
@@ -355,6 +425,8 @@ def main(argv=None) -> int:
                                   "sampled_fraction": a.sampled_fraction, "capture_layers": list(layers),
                                   "sources_requested": {"gsm8k": a.gsm8k, "gsm8k_limit": a.gsm8k_limit,
                                                         "code": a.code, "sharegpt": a.sharegpt, "limit": a.limit,
+                                                        **({"sharegpt_followups": a.sharegpt_followups}
+                                                           if a.sharegpt_followups else {}),
                                                         **({"package_code": a.package_code,
                                                             "code_packages": a.code_packages} if a.package_code
                                                            else {}),
@@ -367,7 +439,7 @@ def main(argv=None) -> int:
     bar = tqdm(total=len(prompts), initial=done, desc="self-distillation", unit="prompt")
     tokens_total = 0
     for start in range(done, len(prompts), a.batch):
-        batch = [(p, target.encode_chat(p)) for p in prompts[start:start + a.batch]]
+        batch = [(p, target.encode_chat(prompt_messages(p))) for p in prompts[start:start + a.batch]]
         batch = [(p, x) for p, x in batch if x.numel() <= a.max_prompt_tokens]  # truncating would cut the template
         mode = sampled if random.Random(start).random() < a.sampled_fraction else greedy
         replies = decode([x for _, x in batch], mode, a.seed * 1_000_003 + start) if batch else []
@@ -376,7 +448,7 @@ def main(argv=None) -> int:
             mask[plen:] = 1
             writer.add(toks, feats, mask, top_ids, top_lps)
             tokens_total += toks.numel() - plen
-            manifest.add(p, source_of[p], toks.numel(), toks.numel() - plen, sampled=mode is sampled)
+            manifest.add(user_turns(p), source_of[p], toks.numel(), toks.numel() - plen, sampled=mode is sampled)
         writer.flush()  # a shard per batch: progress below never claims unwritten data
         manifest.save()
         atomic_write_text(progress_file, json.dumps({"prompts_done": min(start + a.batch, len(prompts)), "total": len(prompts)}))

@@ -57,13 +57,15 @@ class DataManifest:
                             "sampled_prompts": 0, "wall_s": 0.0, "prompt_digests": []}
         self.wall0 = self.data["wall_s"]
 
-    def add(self, prompt: str, source: str, tokens: int, reply_tokens: int, sampled: bool):
+    def add(self, user_turns: list[str], source: str, tokens: int, reply_tokens: int, sampled: bool):
+        """One decoded prompt: its user turns (one, or a conversation's, each digested: the evaluation check and
+        --skip-seen see every turn the target read)."""
         entry = self.data["sources"][source]
         entry["prompts"] += 1
         entry["tokens"] += tokens
         entry["reply_tokens"] += reply_tokens
         self.data["sampled_prompts"] += int(sampled)
-        self.data["prompt_digests"].append(prompt_digest(prompt))
+        self.data["prompt_digests"].extend(prompt_digest(t) for t in user_turns)
 
     def save(self):
         self.data["wall_s"] = round(self.wall0 + time.perf_counter() - self.t0, 1)

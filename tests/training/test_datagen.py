@@ -44,3 +44,42 @@ def test_package_code_prompts_from_a_licence_checked_package():
     assert prompts and all(p.startswith(CODE_INSTRUCTION + "def ") and '"""' in p for p in prompts)
     with pytest.raises(InputError, match="not among the licence-checked packages"):
         stdlib_code_prompts(10, 0, ("leftpad",))
+
+
+def test_sharegpt_followups_keep_the_conversation_before_a_later_turn(monkeypatch):
+    """--sharegpt-followups: a later user turn with the alternating turns before it (ChatGPT's replies as the
+    assistant's); conversations without a later turn, with a broken alternation before one, or too long are left
+    out."""
+    from drafttree.training import datagen
+
+    def turn(who, text):
+        return {"from": who, "value": text}
+
+    convs = [
+        {"conversations": [turn("human", "Write a haiku about rain."), turn("gpt", "Rain on the roof..."),
+                           turn("human", "Now make it about snow, please.")]},
+        {"conversations": [turn("human", "Only one turn here, nothing after it.")]},
+        {"conversations": [turn("gpt", "A reply first."), turn("human", "Then a question that is long enough.")]},
+        {"conversations": [turn("human", "x" * 2000), turn("gpt", "y" * 1500), turn("human", "z" * 40)]},
+    ]
+    monkeypatch.setattr(datagen, "sharegpt_conversations", lambda: iter(convs))
+    got = datagen.sharegpt_followups(10, seed=0)
+    assert len(got) == 1
+    conv = got[0]
+    assert conv.turns == (("user", "Write a haiku about rain."), ("assistant", "Rain on the roof..."),
+                          ("user", "Now make it about snow, please."))
+    assert datagen.prompt_messages(conv)[-1] == {"role": "user", "content": "Now make it about snow, please."}
+    assert datagen.answered_turn(conv) == "Now make it about snow, please."
+    assert datagen.prompt_messages("plain") == "plain" and datagen.user_turns("plain") == ["plain"]
+    assert {conv: "sharegpt-followups"}[got[0]] == "sharegpt-followups"  # hashable: it keys like a prompt string
+
+
+def test_manifest_digests_every_user_turn_of_a_conversation(tmp_path):
+    from drafttree.training.datagen import Conversation, user_turns
+    from drafttree.training.manifest import DataManifest, prompt_digest
+
+    conv = Conversation((("user", "First question?"), ("assistant", "An answer."), ("user", "A follow-up?")))
+    m = DataManifest(tmp_path, {"engine": "test"}, {"method": "none", "checked": {}, "dropped_prompts": 0})
+    m.add(user_turns(conv), "sharegpt-followups", 30, 10, sampled=False)
+    assert m.data["prompt_digests"] == [prompt_digest("First question?"), prompt_digest("A follow-up?")]
+    assert m.data["sources"]["sharegpt-followups"]["prompts"] == 1

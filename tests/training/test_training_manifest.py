@@ -64,7 +64,7 @@ def test_merge_reads_manifests_and_recovers_digests_from_older_shards(tmp_path):
             ids = torch.tensor(prompt + tok.encode("Four.", add_special_tokens=False))
             w.add(ids, torch.zeros(ids.numel(), 4), torch.arange(ids.numel()) >= len(prompt))
     new = DataManifest(tmp_path / "new", {"engine": "test"}, {"method": "none", "checked": {}, "dropped_prompts": 0})
-    new.add("Name a colour.", "sharegpt", 20, 5, sampled=False)
+    new.add(["Name a colour."], "sharegpt", 20, 5, sampled=False)
     new.save()
     merged = merge([tmp_path / "new", tmp_path / "old"], tmp_path / "m.json", tok)
     assert merged["prompt_digests"] == [prompt_digest(q) for q in ["Name a colour.", *questions]]
