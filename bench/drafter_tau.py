@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from drafttree.atomic import atomic_path, atomic_write_text
 from drafttree.compute import cpu_info
-from drafttree.datasets import load_prompts
+from drafttree.datasets import load_prompts, mtbench_turn_pairs
 from drafttree.engine import generate_ar
 from drafttree.load import load_target
 from drafttree.methods import load_drafter_for
@@ -76,6 +76,23 @@ def rounds_tau(accepted: np.ndarray, reply_len: int) -> tuple[float, int]:
     return (float(np.mean(lengths)) if lengths else 0.0), len(lengths)
 
 
+def set_prompts(name: str, limit: int | None) -> list:
+    """A set's prompts; `mtbench-turn2`: MT-Bench's (first turn, second turn) pairs."""
+    return mtbench_turn_pairs(limit) if name == "mtbench-turn2" else load_prompts(name, limit)
+
+
+def prompt_ids(target, prompt, max_new_tokens: int) -> torch.Tensor:
+    """The chat prompt's ids; for a (first, second) turn pair, the conversation after the target's own greedy answer
+    to the first turn, ending with the second (the reply measured is the second turn's, as MT-Bench asks it)."""
+    if isinstance(prompt, str):
+        return target.encode_chat(prompt)
+    first, second = prompt
+    answer = generate_ar(target, target.encode_chat(first), max_new_tokens, stop_token_ids=target.stop_token_ids).tokens
+    return target.encode_chat([{"role": "user", "content": first},
+                               {"role": "assistant", "content": target.decode(answer)},
+                               {"role": "user", "content": second}])
+
+
 def record(a) -> int:
     k, n = (int(x) for x in a.part.split("/"))
     target = load_target(a.model, compute=a.compute, threads=a.threads)
@@ -83,7 +100,7 @@ def record(a) -> int:
     proposers = {name: DFlashProposer(load_drafter_for(target, path), target.model, ChainPolicy())
                  for name, path in drafters.items()}
     budgets = [int(b) for b in a.budgets.split(",")]
-    jobs = [(ds, i, p) for ds in a.datasets.split(",") for i, p in enumerate(load_prompts(ds, a.limit))][k::n]
+    jobs = [(ds, i, p) for ds in a.datasets.split(",") for i, p in enumerate(set_prompts(ds, a.limit))][k::n]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {(r["set"], r["prompt"]) for r in map(json.loads, out.read_text().splitlines())} if out.exists() else set()
@@ -92,7 +109,7 @@ def record(a) -> int:
         for ds, i, prompt in tqdm(jobs, desc=f"τ part {a.part}", unit="prompt"):
             if (ds, i) in done:
                 continue
-            ids = target.encode_chat(prompt)
+            ids = prompt_ids(target, prompt, a.max_new_tokens)
             ar = generate_ar(target, ids, a.max_new_tokens, stop_token_ids=target.stop_token_ids).tokens
             rec = {"set": ds, "prompt": i, "reply_tokens": len(ar), "compute": target.compute_label,
                    "isa": cpu.isa_summary, "drafters": drafters, "tau": {}}
@@ -155,7 +172,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--drafters", help="name=directory,... (compared on the same AR replies)")
     ap.add_argument("--budgets", default="16")
-    ap.add_argument("--datasets", default="gsm8k,humaneval,mtbench")
+    ap.add_argument("--datasets", default="gsm8k,humaneval,mtbench", help="comma list of prompt sets; also "
+                    "mtbench-turn2: MT-Bench's second turns after the target's own answer to the first")
     ap.add_argument("--limit", type=int, default=None, help="first N prompts per set (default: whole sets)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--part", default="0/1", help="K/N: every N-th prompt from the K-th (one process per core)")

@@ -31,6 +31,14 @@ def _read_lines(dist: str, suffix: str) -> list[dict]:
     raise FileNotFoundError(f"{suffix} not found in the installed package {dist}")
 
 
+def mtbench_turn_pairs(limit: int | None = None) -> list[tuple[str, str]]:
+    """MT-Bench's questions as (first turn, second turn), in file order: a second turn is asked after the model's
+    own answer to the first (bench/drafter_tau.py's `mtbench-turn2`)."""
+    rows = _read_lines(*SOURCES["mtbench"])
+    pairs = [(r["turns"][0], r["turns"][1]) for r in rows if len(r["turns"]) >= 2]
+    return pairs[:limit] if limit is not None else pairs
+
+
 def load_prompts(name: str, limit: int | None = None) -> list[str]:
     """User messages of a prompt set, in file order (MT-Bench: first turns)."""
     if name == "copy":

@@ -51,3 +51,30 @@ def test_replayed_rounds_equal_decoded_rounds(tiny_checkpoint, seed):
             assert rep[:-1] == real.accept_lengths[:-1], name
             assert rep[-1] <= real.accept_lengths[-1]
             assert max(rep) >= 3
+
+
+def test_a_second_turn_follows_the_targets_own_first_answer(monkeypatch):
+    """mtbench-turn2: the conversation measured is (first turn, the target's own greedy answer, second turn)."""
+    import drafter_tau
+    from drafttree.engine import GenerationResult
+
+    class FakeTarget:
+        stop_token_ids = (0,)
+        seen: list = []
+
+        def encode_chat(self, messages):
+            self.seen.append(messages)
+            return torch.tensor([1, 2, 3])
+
+        def decode(self, ids):
+            return "answer " + " ".join(map(str, ids))
+
+    calls = []
+    monkeypatch.setattr(drafter_tau, "generate_ar", lambda target, ids, n, stop_token_ids: calls.append((ids, n))
+                        or GenerationResult([7, 8], None))
+    target = FakeTarget()
+    assert drafter_tau.prompt_ids(target, "one turn", 5).tolist() == [1, 2, 3] and calls == []
+    drafter_tau.prompt_ids(target, ("First?", "Second?"), 5)
+    assert calls[0][1] == 5 and target.seen[-1] == [{"role": "user", "content": "First?"},
+                                                    {"role": "assistant", "content": "answer 7 8"},
+                                                    {"role": "user", "content": "Second?"}]
