@@ -62,6 +62,7 @@ class DataManifest:
         --skip-seen see every turn the target read)."""
         entry = self.data["sources"][source]
         entry["prompts"] += 1
+        entry["user_turns"] = entry.get("user_turns", 0) + len(user_turns)  # a digest each
         entry["tokens"] += tokens
         entry["reply_tokens"] += reply_tokens
         self.data["sampled_prompts"] += int(sampled)
@@ -104,6 +105,8 @@ def merge(paths: list[Path], out: Path, tokenizer=None) -> dict:
 
     def add_sources(sources: dict):
         for name, entry in sources.items():
+            if "prompts" in entry and "user_turns" not in entry:  # made before conversations: a user turn a prompt
+                entry = {**entry, "user_turns": entry["prompts"]}
             tot = merged["sources"].setdefault(name, {k: v for k, v in entry.items() if isinstance(v, str)})
             for k, v in entry.items():
                 if not isinstance(v, str):

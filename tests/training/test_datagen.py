@@ -83,3 +83,4 @@ def test_manifest_digests_every_user_turn_of_a_conversation(tmp_path):
     m.add(user_turns(conv), "sharegpt-followups", 30, 10, sampled=False)
     assert m.data["prompt_digests"] == [prompt_digest("First question?"), prompt_digest("A follow-up?")]
     assert m.data["sources"]["sharegpt-followups"]["prompts"] == 1
+    assert m.data["sources"]["sharegpt-followups"]["user_turns"] == 2

@@ -32,7 +32,8 @@ def test_evaluation_digests_cover_every_set():
 def test_shipped_training_data_has_no_evaluation_prompt(manifest):
     data = json.loads(manifest.read_text())
     digests = data["prompt_digests"]
-    assert digests and len(digests) == sum(s["prompts"] for s in data["sources"].values())
+    # a digest per user turn: one per prompt, every user turn of a conversation (sources that have them count them)
+    assert digests and len(digests) == sum(s.get("user_turns", s["prompts"]) for s in data["sources"].values())
     assert not set(digests) & evaluation_digests(), f"{manifest}: trained on an evaluation prompt"
 
 
@@ -69,6 +70,7 @@ def test_merge_reads_manifests_and_recovers_digests_from_older_shards(tmp_path):
     merged = merge([tmp_path / "new", tmp_path / "old"], tmp_path / "m.json", tok)
     assert merged["prompt_digests"] == [prompt_digest(q) for q in ["Name a colour.", *questions]]
     assert merged["sources"]["sharegpt"]["prompts"] == 1 and merged["sources"]["recovered-from-shards"]["prompts"] == 2
+    assert merged["sources"]["sharegpt"]["user_turns"] == 1  # counted where made; a prompt each before conversations
     assert json.loads((tmp_path / "m.json").read_text()) == merged
     with pytest.raises(ValueError, match="user turn"):
         user_turn("plain text")
