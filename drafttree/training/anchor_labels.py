@@ -37,7 +37,7 @@ import torch
 from ..atomic import atomic_write_text
 from ..datasets import CODE_INSTRUCTION, MATH_INSTRUCTION
 from ..validate import InputError, parse_layer_ids
-from .sources import SOURCES_INFO, contaminated, evaluation_ngrams, ngrams  # noqa: F401 - its own and its callers'
+from .sources import SOURCES_INFO, ascii_share, contaminated, evaluation_ngrams, ngrams  # noqa: F401 - its own and its callers'
 
 GENERATOR = "anchor-blocks"
 
@@ -251,10 +251,6 @@ def chat_ids(tokenizer, messages: list[dict]) -> tuple[torch.Tensor, torch.Tenso
     return torch.tensor(full), mask
 
 
-def _ascii_share(s: str) -> float:
-    return sum(c.isascii() for c in s) / max(1, len(s))
-
-
 def gsm8k_dialogues(path: str, limit: int | None = None) -> list[dict]:
     """GSM8K *train* problems with their worked answers as the assistant's turn (calculator annotations
     <<...>> removed, `#### X` as \\boxed{X}); the question carries the math instruction of the evaluation."""
@@ -350,7 +346,7 @@ def sharegpt_dialogues(limit: int, seed: int = 0) -> list[dict]:
         if len(msgs) >= 2 and msgs[0]["role"] == "user":
             msgs = msgs[:len(msgs) // 2 * 2]  # end on an assistant turn
             joined = "".join(m["content"] for m in msgs)
-            if len(msgs[0]["content"]) >= 20 and _ascii_share(joined) > 0.95:
+            if len(msgs[0]["content"]) >= 20 and ascii_share(joined) > 0.95:
                 out.append({"source": "sharegpt", "messages": msgs})
     random.Random(seed).shuffle(out)
     return out[:limit]

@@ -27,6 +27,7 @@ from ..datasets import CODE_INSTRUCTION, MATH_INSTRUCTION
 from ..sampling import SamplingParams, next_token
 from .data import FeatureShardWriter, Reply
 from .manifest import DataManifest, prompt_digest
+from .sources import ascii_share
 
 
 def gsm8k_train_prompts(path: str) -> list[str]:
@@ -124,7 +125,7 @@ def sharegpt_prompts(limit: int = 4000, seed: int = 0) -> list[str]:
         turns = obj.get("conversations") or []
         if turns and turns[0].get("from") == "human":
             q = turns[0]["value"].strip()
-            if 20 <= len(q) <= 1500 and sum(c.isascii() for c in q) > 0.95 * len(q):
+            if 20 <= len(q) <= 1500 and ascii_share(q) > 0.95:
                 prompts.append(q)
     random.Random(seed).shuffle(prompts)
     return prompts[:limit]
@@ -179,13 +180,13 @@ def sharegpt_followups(limit: int, seed: int = 0, max_chars: int = 3000) -> list
             if role != ("user" if i % 2 == 0 else "assistant") or not text:
                 break
             alternating.append((role, text))
-        later = [i for i in range(2, len(alternating), 2)]  # user turns after a reply
+        later = range(2, len(alternating), 2)  # user turns after a reply
         if not later:
             continue
         end = rng.choice(later) + 1
         conv = tuple(alternating[:end])
         if (sum(len(t) for _, t in conv) <= max_chars
-                and all(sum(c.isascii() for c in t) > 0.95 * len(t) for _, t in conv) and len(conv[-1][1]) >= 20):
+                and all(ascii_share(t) > 0.95 for _, t in conv) and len(conv[-1][1]) >= 20):
             out.append(Conversation(conv))
     rng.shuffle(out)
     return out[:limit]

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from .sources import ascii_share
+
 
 def gsm8k_answers(path: str) -> list[str]:
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -43,7 +45,7 @@ def sharegpt_replies(limit: int = 20000) -> list[str]:
             break  # the file is truncated
         for turn in obj.get("conversations") or []:
             v = turn.get("value", "")
-            if turn.get("from") == "gpt" and v and sum(c.isascii() for c in v) > 0.95 * len(v):
+            if turn.get("from") == "gpt" and v and ascii_share(v) > 0.95:
                 out.append(v)
     return out[:limit]
 
