@@ -17,7 +17,7 @@ import torch
 from .model.decoder import ForwardOutput
 from .model.state import ModelState
 from .model.verify_input import VerifyInput
-from .protocols import BatchTurn, Proposer
+from .protocols import BatchTurn, Proposer, RequestState
 from .sampling import SamplingParams, greedy_token, next_token, sampling_probs
 from .stats import GenerationStats
 from .target import Target
@@ -77,7 +77,7 @@ class Sequence:
         # the context the trees shrink to the rows left (_begin_round).
         slack = 0 if proposer is None else proposer.max_nodes
         self.state: ModelState | None = model.new_state(min(self.prompt.numel() + self.max_new + slack, context))
-        self.draft_state: object | None = None  # the proposer's (Proposer.begin)
+        self.draft_state: RequestState | None = None  # the proposer's (Proposer.begin)
         self.gen = None if sampling.greedy else sampling.generator()
         self.tokens: list[int] = []
         self.root: int | None = None  # the last emitted token: not in the KV cache yet
@@ -92,7 +92,7 @@ class Sequence:
     def state_bytes(self) -> int:
         if self.state is None:
             return 0
-        return self.state.nbytes + getattr(self.draft_state, "nbytes", 0)
+        return self.state.nbytes + (self.draft_state.nbytes if self.draft_state is not None else 0)
 
     def clock(self) -> float:
         return self._busy + (time.perf_counter() - self._step_t0)

@@ -26,7 +26,15 @@ from .tree import DraftTree
 
 Clock = Callable[[], float]  # seconds; a request's own busy time, so other requests' rounds do not count
 
-S = TypeVar("S")  # an implementation's per-request state
+class RequestState(Protocol):
+    """What the engine reads of a proposer's per-request state (a request's memory use, for the server)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+S = TypeVar("S")  # a tree policy's per-request state
+R = TypeVar("R", bound=RequestState)  # a proposer's per-request state
 D = TypeVar("D")  # what a proposer's `draft` hands its `build_tree` (its own kind: logits, lazy scores, continuations)
 
 
@@ -105,8 +113,8 @@ class TreePolicy(Protocol[S]):
     def interrupt(self, state: S) -> None: ...  # rounds without the policy's tree ran since its last build
 
 
-class Proposer(Protocol[S, D]):
-    """What a speculative round verifies. S: its per-request state; D: what `draft` returns for `build_tree`.
+class Proposer(Protocol[R, D]):
+    """What a speculative round verifies. R: its per-request state; D: what `draft` returns for `build_tree`.
     The engine holds both as opaque values (a bare `Proposer` is Proposer[Any, Any])."""
 
     name: str
@@ -114,19 +122,19 @@ class Proposer(Protocol[S, D]):
     max_nodes: int  # the largest tree it builds (the target state needs that many scratch rows)
     batch_drafts: bool  # draft_many shares work across requests (engine.step_many then drafts a turn's together)
 
-    def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None, clock: Clock) -> S: ...
+    def begin(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None, clock: Clock) -> R: ...
 
-    def draft(self, state: S, root: int, start: int) -> D: ...
+    def draft(self, state: R, root: int, start: int) -> D: ...
 
-    def draft_many(self, states: list[S], roots: list[int], starts: list[int]) -> list[D]: ...  # one round each,
+    def draft_many(self, states: list[R], roots: list[int], starts: list[int]) -> list[D]: ...  # one round each,
     # drafted together where the proposer can (engine.step_many: the requests of one batched turn)
 
-    def build_tree(self, state: S, root: int, drafted: D, start: int) -> DraftTree: ...
+    def build_tree(self, state: R, root: int, drafted: D, start: int) -> DraftTree: ...
 
-    def build_trees(self, states: list[S], roots: list[int], drafted: list[D], starts: list[int],
+    def build_trees(self, states: list[R], roots: list[int], drafted: list[D], starts: list[int],
                     turn: BatchTurn) -> list[DraftTree]: ...  # build_tree for requests of one batched turn, their
     # sizes chosen together where the proposer can (a cost-aware policy: policies.caddtree_select_batch)
 
-    def advance(self, state: S, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor | None,
+    def advance(self, state: R, accepted_tokens: torch.Tensor, accepted_features: torch.Tensor | None,
                 start: int) -> None: ...
 

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from drafttree.model.layers import FusedKernel, KernelAttention, RMSNorm, RotaryTable, StackedLayers, apply_rotary
+from drafttree.model.linear import Int8Linear
 
 Embed = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]  # embedding weight [V, H] or ids -> [n, H]
 LMHead = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]  # head weight [V, H] or hidden -> logits
@@ -387,7 +388,7 @@ class DFlashDrafter(KernelAttention, StackedLayers, nn.Module):
             if callable(lm_head) and not isinstance(lm_head, torch.Tensor):
                 return lm_head(hidden).float()
             return (hidden.to(lm_head.dtype) @ lm_head.t()).float()
-        if not isinstance(lm_head, torch.Tensor) and not hasattr(lm_head, "select_rows"):
+        if not isinstance(lm_head, (torch.Tensor, Int8Linear)):
             raise TypeError("a reduced draft vocabulary needs the LM head weight tensor or an int8 head layer")
         w = self.head_weight(lm_head)
         return (hidden.to(w.dtype) @ w.t()).float() if isinstance(w, torch.Tensor) else w(hidden).float()
