@@ -47,6 +47,8 @@ from urllib.parse import urlparse
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tqdm import tqdm  # noqa: E402
+
 from drafttree.atomic import atomic_write_text  # noqa: E402
 
 BUILTIN_PROMPTS = [  # used only when the GSM8K train file is not there
@@ -92,7 +94,7 @@ def offline_replies(a, prompts: list[str]) -> tuple[list[str], list[int], dict]:
         warm.step()
     warm.close()
     t0 = time.perf_counter()
-    for text in prompts:
+    for text in tqdm(prompts, desc="offline replies", unit="prompt", disable=a.no_progress):
         seq = decoder.sequence(a.method, target.encode_chat([{"role": "user", "content": text}]),
                                max_new_tokens=a.max_tokens)
         while not seq.done:
@@ -285,7 +287,10 @@ def run_load(base: str, a, prompts: list[str], wants: list[str], lengths: list[i
             res["prompt"] = k
             res["equal"] = res["ok"] and res["text"] == wants[k]
             results[i] = res
+            bar.update(1)
 
+    # on stderr, a few updates a second: no measurable load beside the server's
+    bar = tqdm(total=len(results), desc="requests", unit="req", disable=a.no_progress)
     sampler = threading.Thread(target=sample_health, daemon=True)
     sampler.start()
     threads = [threading.Thread(target=client, args=(c,)) for c in range(a.clients)]
@@ -295,6 +300,7 @@ def run_load(base: str, a, prompts: list[str], wants: list[str], lengths: list[i
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    bar.close()
     stop.set()
     sampler.join()
     ok = [r for r in results if r["ok"]]
@@ -412,6 +418,7 @@ def main(argv=None) -> int:
     p.add_argument("--peer", choices=PEERS, default=None,
                    help="run the load against llama.cpp's llama-server (optionally with its ngram-mod speculation)")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "serve")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (offline replies, the load)")
     a = p.parse_args(argv)
     for name, top in LIMITS.items():
         v = getattr(a, name)

@@ -31,7 +31,8 @@ def test_load_against_a_fake_server(serve_load, tmp_path):
                      max_concurrency=2)
     prompts = ["one", "two!", "three?"]
     wants = [fake_reply(p, 6) for p in prompts]
-    a = argparse.Namespace(clients=3, requests=2, model="fake", method="ar", max_tokens=6, timeout=30)
+    a = argparse.Namespace(clients=3, requests=2, model="fake", method="ar", max_tokens=6, timeout=30,
+                           no_progress=True)
     with live_server(app) as base:
         load = serve_load.run_load(base, a, prompts, wants, [6] * 3, None)
         assert load["requests"] == 6 and load["failures"] == 0 and load["all_equal_offline"]
