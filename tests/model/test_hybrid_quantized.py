@@ -1,13 +1,18 @@
 """The hybrid targets (qwen3_5, qwen3_next) on the quantized paths (issue 38 item 2): the module swap leaves no
 float linear layer and the GDN state in fp32, the kernels give their references' logits inside the hybrid, tree
 verify matches one-token steps, and greedy speculation equals AR for every method."""
+import math
+
 import pytest
 import torch
 
+from drafttree.costmodel import VerifyCostModel
+from drafttree.engine import generate_ar, run_to_end
 from drafttree.load import load_target
 from drafttree.methods import Decoder
 from drafttree.model.hybrid import HybridModel
 from drafttree.model.linear import Int8Linear, Q4Linear
+from drafttree.profile import profile_costs
 from spec_helpers import REGIMES, assert_every_method_equals_ar, random_drafter_for, repetitive_prompts, weaver_for
 from runtime_helpers import random_tree_parents, tree_and_step_logits
 
@@ -120,6 +125,26 @@ def test_every_method_equals_ar_on_the_quantized_hybrid(hybrid_checkpoint, compu
     g = torch.Generator().manual_seed(5)
     for ids in repetitive_prompts(VOCAB, 3, seed=4):
         assert_every_method_equals_ar(target, decoder, ids, int(torch.randint(8, 33, (1,), generator=g)), compute)
+
+
+def test_the_cost_model_profiles_the_quantized_hybrid(hybrid_checkpoint):
+    """`drafttree profile` on a hybrid: the verify forwards (GDN tree solve included) and the drafter's round are
+    timed like a dense target's, the curves are convex and increasing, the model survives a save/load, and CaDDTree
+    sized by it stays lossless."""
+    target = load_target(str(hybrid_checkpoint), compute="q4")
+    drafter = random_drafter_for(target.model)
+    cm = profile_costs(target, drafter, quick=True, repeats=1, progress=False, token_counts=(1, 2, 4, 8),
+                       context_lens=(16, 48))
+    assert list(cm.context_lens) == [16, 48] and cm.draft_ms > 0
+    for ctx in cm.context_lens:
+        ms = [cm.verify_ms_for_tokens(n, ctx) for n in (1, 2, 4, 8)]
+        assert all(math.isfinite(v) and v > 0 for v in ms) and ms == sorted(ms)
+    assert VerifyCostModel.from_dict(cm.to_dict()).to_dict() == cm.to_dict()
+    decoder = Decoder(target, drafter=drafter, max_tree_nodes=24, cost_model=cm)
+    for ids in repetitive_prompts(VOCAB, 2, seed=6):
+        ar = generate_ar(target, ids, 16, stop_token_ids=()).tokens
+        for method in ("caddtree", "caddtree-online"):
+            assert run_to_end(decoder.sequence(method, ids, max_new_tokens=16, stop_token_ids=())).tokens == ar
 
 
 def test_zero_centered_norm_kernel_matches_its_reference():
