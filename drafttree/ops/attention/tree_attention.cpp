@@ -450,9 +450,36 @@ void run_rows(const std::vector<Problem>& pbs, QOut q_and_out) {
     run_rows_of<float>(pbs, q_and_out);
 }
 
+// The rotation below, 16 (8) lanes at a time: per element the same two rounded products and one add (the sources are
+// built with -ffp-contract=off, so the scalar loop does not fuse them either), hence the same bits.
+__attribute__((target("avx512f"))) void rotate_avx512(const float* x, const float* cos, const float* sin, int64_t half,
+                                                      float* out) {
+  const __m512i sign = _mm512_set1_epi32(INT32_MIN);
+  for (int64_t c = 0; c < half; c += 16) {
+    const __m512 lo = _mm512_loadu_ps(x + c), hi = _mm512_loadu_ps(x + half + c);
+    const __m512 neg_hi = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(hi), sign));
+    _mm512_storeu_ps(out + c, _mm512_add_ps(_mm512_mul_ps(lo, _mm512_loadu_ps(cos + c)),
+                                            _mm512_mul_ps(neg_hi, _mm512_loadu_ps(sin + c))));
+    _mm512_storeu_ps(out + half + c, _mm512_add_ps(_mm512_mul_ps(hi, _mm512_loadu_ps(cos + half + c)),
+                                                   _mm512_mul_ps(lo, _mm512_loadu_ps(sin + half + c))));
+  }
+}
+__attribute__((target("avx2"))) void rotate_avx2(const float* x, const float* cos, const float* sin, int64_t half,
+                                                 float* out) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t c = 0; c < half; c += 8) {
+    const __m256 lo = _mm256_loadu_ps(x + c), hi = _mm256_loadu_ps(x + half + c);
+    _mm256_storeu_ps(out + c, _mm256_add_ps(_mm256_mul_ps(lo, _mm256_loadu_ps(cos + c)),
+                                            _mm256_mul_ps(_mm256_xor_ps(hi, sign), _mm256_loadu_ps(sin + c))));
+    _mm256_storeu_ps(out + half + c, _mm256_add_ps(_mm256_mul_ps(hi, _mm256_loadu_ps(cos + half + c)),
+                                                   _mm256_mul_ps(lo, _mm256_loadu_ps(sin + half + c))));
+  }
+}
+
 // Optional per-head RMSNorm (qwen3-style q_norm / k_norm) then rotate-half RoPE of one head, as
 // layers.RMSNorm and layers.apply_rotary compute them: x*cos + rotated*sin, each product rounded.
-void rope(const float* src, const float* cos, const float* sin, int64_t d, const float* norm_w, float eps, float* out) {
+void rope(const float* src, const float* cos, const float* sin, int64_t d, const float* norm_w, float eps, float* out,
+          int64_t isa) {
   float normed[256];
   const float* x = src;
   if (norm_w) {
@@ -463,10 +490,34 @@ void rope(const float* src, const float* cos, const float* sin, int64_t d, const
     x = normed;
   }
   const int64_t half = d / 2;
+  if (isa == kAvx512 && half % 16 == 0) return rotate_avx512(x, cos, sin, half, out);
+  if (isa != kScalar && half % 8 == 0) return rotate_avx2(x, cos, sin, half, out);
   for (int64_t c = 0; c < d; ++c) {
     const float rotated = c < half ? -x[c + half] : x[c - half];
     out[c] = x[c] * cos[c] + rotated * sin[c];
   }
+}
+
+// float32 -> float16 bits rounded to nearest even, as c10's fp16_ieee_from_fp32_value and torch's float -> half copy
+// round them (F16C's conversion where the CPU has it: a decode step writes 2 x heads x d of them a row and layer).
+__attribute__((target("avx512f"))) void to_half_avx512(const float* x, uint16_t* out, int64_t n) {
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(x + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; c < n; ++c) out[c] = c10::detail::fp16_ieee_from_fp32_value(x[c]);
+}
+__attribute__((target("avx2,f16c"))) void to_half_avx2(const float* x, uint16_t* out, int64_t n) {
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + c),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; c < n; ++c) out[c] = c10::detail::fp16_ieee_from_fp32_value(x[c]);
+}
+void to_half(const float* x, uint16_t* out, int64_t n, int64_t isa) {
+  if (isa == kAvx512) return to_half_avx512(x, out, n);
+  if (isa == kAvx2) return to_half_avx2(x, out, n);
+  for (int64_t c = 0; c < n; ++c) out[c] = c10::detail::fp16_ieee_from_fp32_value(x[c]);
 }
 
 const bool* mask_ptr(const c10::optional<torch::Tensor>& visible, torch::Tensor& holder, int64_t& T) {
@@ -558,22 +609,19 @@ Problem rope_rows(const RopeArgs& a, const float* src, const float* cp, const fl
   float krot[256];
   for (int64_t t = 0; t < T; ++t) {
     const float* row = src + t * a.width;
-    for (int64_t h = 0; h < a.n_heads; ++h) rope(row + h * d, cp + t * d, sp + t * d, d, a.qn, a.eps, qp + (h * T + t) * d);
+    for (int64_t h = 0; h < a.n_heads; ++h) rope(row + h * d, cp + t * d, sp + t * d, d, a.qn, a.eps, qp + (h * T + t) * d, a.isa);
     for (int64_t h = 0; h < a.n_kv; ++h) {
       const int64_t at = (h * Lmax + past + t) * d;
       const float* v = row + (a.n_heads + a.n_kv + h) * d;
       if (!half) {
-        rope(row + (a.n_heads + h) * d, cp + t * d, sp + t * d, d, a.kn, a.eps, static_cast<float*>(kp) + at);
+        rope(row + (a.n_heads + h) * d, cp + t * d, sp + t * d, d, a.kn, a.eps, static_cast<float*>(kp) + at, a.isa);
         std::memcpy(static_cast<float*>(vp) + at, v, d * sizeof(float));
         continue;
       }
       // float16 rows rounded to nearest even, as torch's float -> half copy rounds them
-      rope(row + (a.n_heads + h) * d, cp + t * d, sp + t * d, d, a.kn, a.eps, krot);
-      uint16_t *kh = static_cast<uint16_t*>(kp) + at, *vh = static_cast<uint16_t*>(vp) + at;
-      for (int64_t c = 0; c < d; ++c) {
-        kh[c] = c10::detail::fp16_ieee_from_fp32_value(krot[c]);
-        vh[c] = c10::detail::fp16_ieee_from_fp32_value(v[c]);
-      }
+      rope(row + (a.n_heads + h) * d, cp + t * d, sp + t * d, d, a.kn, a.eps, krot, a.isa);
+      to_half(krot, static_cast<uint16_t*>(kp) + at, d, a.isa);
+      to_half(v, static_cast<uint16_t*>(vp) + at, d, a.isa);
     }
   }
   return Problem{a.n_kv, a.n_heads / a.n_kv, T, past, d, vis, kp, vp, half, Lmax * d, Lmax * d, a.scale, a.isa};
