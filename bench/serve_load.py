@@ -270,6 +270,8 @@ def percentiles(values: list[float], scale: float = 1000.0) -> dict:
 
 def run_load(base: str, a, prompts: list[str], wants: list[str], lengths: list[int], api_key: str | None) -> dict:
     results: list[dict] = [None] * (a.clients * a.requests)  # type: ignore[list-item]
+    # on stderr, a few updates a second: no measurable load beside the server's
+    bar = tqdm(total=len(results), desc="requests", unit="req", disable=a.no_progress)
     health_samples, stop = [], threading.Event()
 
     def sample_health():
@@ -289,8 +291,6 @@ def run_load(base: str, a, prompts: list[str], wants: list[str], lengths: list[i
             results[i] = res
             bar.update(1)
 
-    # on stderr, a few updates a second: no measurable load beside the server's
-    bar = tqdm(total=len(results), desc="requests", unit="req", disable=a.no_progress)
     sampler = threading.Thread(target=sample_health, daemon=True)
     sampler.start()
     threads = [threading.Thread(target=client, args=(c,)) for c in range(a.clients)]

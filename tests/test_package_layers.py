@@ -57,7 +57,8 @@ def module_imports(root: Path = Path(drafttree.__file__).parent) -> dict[str, se
                 if isinstance(node, ast.Import):
                     found |= {a.name for a in node.names}
                 elif isinstance(node, ast.ImportFrom):
-                    base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+                    pkg = package.split(".")
+                    base = pkg[:len(pkg) - node.level + 1] if node.level else []
                     module = ".".join(base + ([node.module] if node.module else []))
                     found |= {f"{module}.{a.name}" if f"{module}.{a.name}" in names else module for a in node.names}
         with_packages = set()

@@ -25,10 +25,10 @@ SOURCES_INFO = {
 }
 
 
-
 def ascii_share(text: str) -> float:
     """The share of a text's characters that are ASCII (the text pools keep texts above 0.95: mostly English)."""
     return sum(c.isascii() for c in text) / max(1, len(text))
+
 
 def _words(text: str) -> list[str]:
     return re.findall(r"\w+", text.lower())

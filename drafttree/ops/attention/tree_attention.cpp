@@ -450,20 +450,9 @@ void run_rows(const std::vector<Problem>& pbs, QOut q_and_out) {
     run_rows_of<float>(pbs, q_and_out);
 }
 
-// The rotation below, 16 (8) lanes at a time: per element the same two rounded products and one add (the sources are
-// built with -ffp-contract=off, so the scalar loop does not fuse them either), hence the same bits.
-__attribute__((target("avx512f"))) void rotate_avx512(const float* x, const float* cos, const float* sin, int64_t half,
-                                                      float* out) {
-  const __m512i sign = _mm512_set1_epi32(INT32_MIN);
-  for (int64_t c = 0; c < half; c += 16) {
-    const __m512 lo = _mm512_loadu_ps(x + c), hi = _mm512_loadu_ps(x + half + c);
-    const __m512 neg_hi = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(hi), sign));
-    _mm512_storeu_ps(out + c, _mm512_add_ps(_mm512_mul_ps(lo, _mm512_loadu_ps(cos + c)),
-                                            _mm512_mul_ps(neg_hi, _mm512_loadu_ps(sin + c))));
-    _mm512_storeu_ps(out + half + c, _mm512_add_ps(_mm512_mul_ps(hi, _mm512_loadu_ps(cos + half + c)),
-                                                   _mm512_mul_ps(lo, _mm512_loadu_ps(sin + half + c))));
-  }
-}
+// The rotation below, 8 lanes at a time: per element the same two rounded products and one add (the sources are built
+// with -ffp-contract=off, so the scalar loop does not fuse them either), hence the same bits. AVX2 serves the AVX-512
+// path too: a head is 4-8 vectors, too few for wider ones to matter.
 __attribute__((target("avx2"))) void rotate_avx2(const float* x, const float* cos, const float* sin, int64_t half,
                                                  float* out) {
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -490,7 +479,6 @@ void rope(const float* src, const float* cos, const float* sin, int64_t d, const
     x = normed;
   }
   const int64_t half = d / 2;
-  if (isa == kAvx512 && half % 16 == 0) return rotate_avx512(x, cos, sin, half, out);
   if (isa != kScalar && half % 8 == 0) return rotate_avx2(x, cos, sin, half, out);
   for (int64_t c = 0; c < d; ++c) {
     const float rotated = c < half ? -x[c + half] : x[c - half];
@@ -499,14 +487,7 @@ void rope(const float* src, const float* cos, const float* sin, int64_t d, const
 }
 
 // float32 -> float16 bits rounded to nearest even, as c10's fp16_ieee_from_fp32_value and torch's float -> half copy
-// round them (F16C's conversion where the CPU has it: a decode step writes 2 x heads x d of them a row and layer).
-__attribute__((target("avx512f"))) void to_half_avx512(const float* x, uint16_t* out, int64_t n) {
-  int64_t c = 0;
-  for (; c + 16 <= n; c += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c),
-                        _mm512_cvtps_ph(_mm512_loadu_ps(x + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  for (; c < n; ++c) out[c] = c10::detail::fp16_ieee_from_fp32_value(x[c]);
-}
+// round them, with F16C (every AVX2 and AVX-512 CPU has it): a decode step writes 2 x heads x d of them a row and layer.
 __attribute__((target("avx2,f16c"))) void to_half_avx2(const float* x, uint16_t* out, int64_t n) {
   int64_t c = 0;
   for (; c + 8 <= n; c += 8)
@@ -515,8 +496,7 @@ __attribute__((target("avx2,f16c"))) void to_half_avx2(const float* x, uint16_t*
   for (; c < n; ++c) out[c] = c10::detail::fp16_ieee_from_fp32_value(x[c]);
 }
 void to_half(const float* x, uint16_t* out, int64_t n, int64_t isa) {
-  if (isa == kAvx512) return to_half_avx512(x, out, n);
-  if (isa == kAvx2) return to_half_avx2(x, out, n);
+  if (isa != kScalar) return to_half_avx2(x, out, n);
   for (int64_t c = 0; c < n; ++c) out[c] = c10::detail::fp16_ieee_from_fp32_value(x[c]);
 }
 
