@@ -5,9 +5,11 @@ the ISA, tok/s, τ and per-round draft / tree / verify ms of each side and B's r
 
   .venv/bin/python bench/lockstep_ab.py --a ar --b caddtree-online --limit 3
   .venv/bin/python bench/lockstep_ab.py --a caddtree --b caddtree --a-prefetch 0  # A: the weight prefetch off
+  .venv/bin/python bench/lockstep_ab.py --a ar --b ar --a-huge-pages 0  # A: weights on torch's own 4 KB pages
 """
 import argparse
 import json
+import os
 import time
 
 from tqdm import tqdm
@@ -27,6 +29,9 @@ def main():
     ap.add_argument("--a-prefetch", type=int, default=None, help="the weight kernels' prefetch bytes in A (default: "
                                                                  "the kernels' own)")
     ap.add_argument("--b-prefetch", type=int, default=None, help="likewise in B")
+    ap.add_argument("--a-huge-pages", type=int, choices=(0, 1), default=1, help="0: A's weights where torch allocated "
+                    "them (4 KB pages), not in the 2 MB-page arena (model/arena.py); a second copy of the models")
+    ap.add_argument("--b-huge-pages", type=int, choices=(0, 1), default=1, help="likewise in B")
     ap.add_argument("--budget", type=int, default=4, help="ddtree / lookup budget")
     ap.add_argument("--datasets", default="gsm8k,humaneval,mtbench")
     ap.add_argument("--limit", type=int, default=3, help="prompts per set")
@@ -34,21 +39,26 @@ def main():
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    target = load_target("smollm2-135m-instruct", compute="auto", threads=a.threads)
+    models = {}  # huge pages (0/1) -> (target, drafter)
+    for huge in dict.fromkeys((a.a_huge_pages, a.b_huge_pages)):
+        os.environ["DRAFTTREE_HUGE_PAGES"] = str(huge)
+        target = load_target("smollm2-135m-instruct", compute="auto", threads=a.threads)
+        models[huge] = target, None if {a.a, a.b} == {"ar"} else load_drafter_for(target)
     kernels = extension()
     default_prefetch = kernels.weight_prefetch(-1)
-    drafter = None if {a.a, a.b} == {"ar"} else load_drafter_for(target)
     sides = {}
-    for side, method, prefetch in (("A", a.a, a.a_prefetch), ("B", a.b, a.b_prefetch)):
+    for side, method, prefetch, huge in (("A", a.a, a.a_prefetch, a.a_huge_pages),
+                                         ("B", a.b, a.b_prefetch, a.b_huge_pages)):
+        target, drafter = models[huge]
         proposer = None if method == "ar" else make_proposer(method, target, drafter, budget=a.budget)
-        sides[side] = {"method": method, "proposer": proposer,
+        sides[side] = {"method": method, "proposer": proposer, "target": target, "huge_pages": huge,
                        "prefetch": default_prefetch if prefetch is None else prefetch,
                        "s": 0.0, "tokens": 0, "rounds": 0, "draft_s": 0.0, "tree_s": 0.0, "verify_s": 0.0}
     prompts = [p for name in a.datasets.split(",") for p in load_prompts(name, a.limit)]
     try:
         for prompt in tqdm(prompts, desc="prompts"):
             ids = target.encode_chat(prompt)
-            seqs = {k: Sequence(target, ids, v["proposer"], a.max_new_tokens) for k, v in sides.items()}
+            seqs = {k: Sequence(v["target"], ids, v["proposer"], a.max_new_tokens) for k, v in sides.items()}
             while not all(seq.done for seq in seqs.values()):
                 for k, seq in seqs.items():  # one step of each in turn
                     if seq.done:
@@ -75,10 +85,12 @@ def main():
     rows = {}
     for k, st in sides.items():
         rounds = max(1, st["rounds"])
-        rows[k] = {"method": st["method"], "prefetch": st["prefetch"], "tok_s": st["tokens"] / st["s"],
+        rows[k] = {"method": st["method"], "prefetch": st["prefetch"], "huge_pages": st["huge_pages"],
+                   "tok_s": st["tokens"] / st["s"],
                    "tau": st["tokens"] / rounds, **{p: st[p] / rounds * 1e3 for p in ("draft_s", "tree_s", "verify_s")}}
         r = rows[k]
-        print(f"{k}: {r['method']:24s} prefetch {r['prefetch']:5d}  {r['tok_s']:7.1f} tok/s  τ {r['tau']:.2f}  "
+        print(f"{k}: {r['method']:24s} prefetch {r['prefetch']:5d}  huge pages {r['huge_pages']}  "
+              f"{r['tok_s']:7.1f} tok/s  τ {r['tau']:.2f}  "
               f"draft {r['draft_s']:.2f} / tree {r['tree_s']:.2f} / verify {r['verify_s']:.2f} ms a round")
     print(f"B / A: {rows['B']['tok_s'] / rows['A']['tok_s']:.3f}")
     if a.out:

@@ -13,6 +13,7 @@ from drafttree.ops.int8 import int8_linear, int8_linear_ref, pack_weight, packed
 from drafttree.ops.q4 import (pack_q4, pack_q8, q4_linear, q4_linear_ref, q8_linear, quantize_q4_1,
                               unpack_q4, unpack_q8)
 
+from .arena import pack_weights
 from .layers import FusedKernel, KernelAttention, StackedLayers
 
 
@@ -189,6 +190,7 @@ def use_cpu_kernels(model: nn.Module, isa: str) -> nn.Module:
             m.kernel_isa = kernel
     if isinstance(model, KernelAttention):
         model.attention_kernel = kernel
+    pack_weights(model)  # before the stack takes its views: every weight it streams on 2 MB pages
     if isinstance(model, StackedLayers):
         from drafttree.ops.decoder import DecoderStack
 

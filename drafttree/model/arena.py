@@ -1,0 +1,79 @@
+"""A model's weights moved into one arena backed by 2 MB pages.
+
+A decode step streams every weight once (SmolLM2-135M q4: 66 MB in ~120 tensors of 0.1-0.9 MB each). Allocated one
+by one, those tensors sit on 4 KB pages: ~17,000 page translations a step, each a two-level walk inside a VM. One
+arena advised as huge pages (`madvise(MADV_HUGEPAGE)`; Linux's default THP mode, "madvise", honours it) needs ~35.
+Measured on a 2-vCPU Emerald Rapids VM (AVX-512 VNNI, q4, 2 threads), the two placements alternating in one process:
+a verify of 1 / 4 / 8 tokens at context 200 in 0.93 / 0.91-0.95 / 0.91-0.93× the time; decoding
+(bench/lockstep_ab.py, 6 prompts × 128 tokens) AR 1.04×, caddtree 1.10× the tok/s.
+
+The bits do not change: every tensor keeps its values, shape and strides, and tensors that shared a storage still
+share one (`Tensor.set_` in place, so every module, parameter and alias holding the tensor object sees the move).
+Elsewhere than Linux, or with DRAFTTREE_HUGE_PAGES=0, nothing moves.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+
+import torch
+import torch.nn as nn
+
+HUGE_PAGE = 2 << 20
+_ALIGN = 64  # every storage starts on a cache line (the kernels' vector loads do not need it; it is free)
+
+
+def huge_pages_enabled() -> bool:
+    return sys.platform == "linux" and os.environ.get("DRAFTTREE_HUGE_PAGES", "1") != "0"
+
+
+def _huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] on fresh anonymous pages advised as huge pages, starting on a 2 MB boundary. Fresh: memory
+    from the C heap may already be touched on 4 KB pages (a loaded model frees plenty of it), and advice comes
+    too late for those."""
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory has no THP
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive as long as any view of it
+    start = -whole.data_ptr() % HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE, start, size)  # before the first touch
+    return whole[start:start + nbytes]
+
+
+def _model_tensors(model: nn.Module) -> list[torch.Tensor]:
+    seen, out = set(), []
+    for module in model.modules():
+        for t in (*module._parameters.values(), *module._buffers.values()):
+            if t is not None and t.device.type == "cpu" and id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+    return out
+
+
+def pack_weights(model: nn.Module) -> torch.Tensor | None:
+    """Move every CPU parameter and buffer of `model` into one 2 MB-aligned arena advised as huge pages; returns
+    the arena (the tensors are views of it), or None where nothing moved (disabled, or no tensors)."""
+    if not huge_pages_enabled():
+        return None
+    tensors = _model_tensors(model)
+    storages: dict[int, tuple[torch.UntypedStorage, int]] = {}  # storage address -> (storage, its arena byte offset)
+    total = 0
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() not in storages:
+            storages[s.data_ptr()] = (s, total)
+            total += -(-s.nbytes() // _ALIGN) * _ALIGN
+    if not total:
+        return None
+    buffer = _huge_page_buffer(total)
+    arena, start = buffer.untyped_storage(), buffer.storage_offset()  # bytes from the storage's start
+    with torch.no_grad():
+        for s, at in storages.values():
+            if s.nbytes():
+                buffer[at:at + s.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(s))
+        for t in tensors:
+            _, at = storages[t.untyped_storage().data_ptr()]
+            size = t.element_size()
+            t.set_(arena, (start + at) // size + t.storage_offset(), t.size(), t.stride())
+    return buffer
