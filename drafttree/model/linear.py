@@ -72,6 +72,7 @@ class Int8Linear(nn.Module):
         sub.weight_packed = pack_weight(packed_rows(self.weight_packed, rows, self.in_features))
         sub.weight_scale, sub.weight_sum = self.weight_scale[rows].contiguous(), self.weight_sum[rows].contiguous()
         sub.bias = None if self.bias is None else self.bias[rows].contiguous()
+        pack_weights(sub)  # read every drafted round, like the model's own weights
         return sub
 
     def stack_tensors(self) -> tuple[list[torch.Tensor], int, int] | None:
