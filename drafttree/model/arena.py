@@ -56,24 +56,22 @@ def pack_weights(model: nn.Module) -> torch.Tensor | None:
     the arena (the tensors are views of it), or None where nothing moved (disabled, or no tensors)."""
     if not huge_pages_enabled():
         return None
-    tensors = _model_tensors(model)
-    storages: dict[int, tuple[torch.UntypedStorage, int]] = {}  # storage address -> (storage, its arena byte offset)
-    total = 0
-    for t in tensors:
-        s = t.untyped_storage()
-        if s.data_ptr() not in storages:
-            storages[s.data_ptr()] = (s, total)
-            total += -(-s.nbytes() // _ALIGN) * _ALIGN
-    if not total:
+    by_storage: dict[int, list[torch.Tensor]] = {}  # storage address -> the tensors viewing it
+    for t in _model_tensors(model):
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    sizes = [-(-views[0].untyped_storage().nbytes() // _ALIGN) * _ALIGN for views in by_storage.values()]
+    if not sum(sizes):
         return None
-    buffer = _huge_page_buffer(total)
+    buffer = _huge_page_buffer(sum(sizes))
     arena, start = buffer.untyped_storage(), buffer.storage_offset()  # bytes from the storage's start
+    at = 0
     with torch.no_grad():
-        for s, at in storages.values():
-            if s.nbytes():
-                buffer[at:at + s.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(s))
-        for t in tensors:
-            _, at = storages[t.untyped_storage().data_ptr()]
-            size = t.element_size()
-            t.set_(arena, (start + at) // size + t.storage_offset(), t.size(), t.stride())
+        for views, size in zip(by_storage.values(), sizes):
+            old = views[0].untyped_storage()
+            if old.nbytes():
+                buffer[at:at + old.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(old))
+            del old
+            for t in views:  # the old storage goes as soon as its last view moves: the copy adds one storage at most
+                t.set_(arena, (start + at) // t.element_size() + t.storage_offset(), t.size(), t.stride())
+            at += size
     return buffer
