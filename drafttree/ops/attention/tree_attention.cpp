@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -137,14 +138,35 @@ __attribute__((target("avx512f"))) inline __m512 hsum16(const __m512* v) {
   return _mm512_permutexvar_ps(order, r);
 }
 
+// The scores of one query (NV vectors) against 16 key rows of a chunk (kn live, the rest zero), each key's
+// products summed in the same order wherever its row comes from.
+template <int NV, typename K, typename KeyRow>
+__attribute__((target("avx512f"))) inline __m512 chunk_scores(const __m512* q, int kn, KeyRow key_row) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) {
+    if (j >= kn) {
+      acc[j] = _mm512_setzero_ps();
+      continue;
+    }
+    const K* k = key_row(j);
+    acc[j] = _mm512_mul_ps(q[0], kv16(k));
+    for (int c = 1; c < NV; ++c) acc[j] = _mm512_fmadd_ps(q[c], kv16(k + 16 * c), acc[j]);
+  }
+  return hsum16(acc);
+}
+
 // G query rows that see the same keys (the query heads of one kv head at one position), NV = d / 16. The
 // scores come 16 keys at a time (a partial last chunk as if padded with zero keys), so a row's result is a
 // function of its query and its visible keys alone: the same bits in a one-token step and in a tree, and
 // whatever G (tests/ops). Each value row is loaded once for all G rows; a key row once per row (16 keys x G
-// rows of accumulators would not fit the 32 vector registers), the repeats from L1.
+// rows of accumulators would not fit the 32 vector registers), the repeats from L1. float16 keys are widened
+// once per chunk into a float32 copy the G rows read (widening costs two vector uops a vector, on the ports the
+// multiply-adds use: done per row it was as dear as the products); the same floats, so the same bits.
 template <typename KV, int G, int NV>
 __attribute__((target("avx512f"))) void rows_avx512(const Row<KV>* r) {
   const Row<KV>& a = r[0];  // keys, values, idx, n, d, scale: shared by the G rows
+  constexpr bool kWiden = std::is_same<KV, uint16_t>::value && G > 1;
+  alignas(64) float widened[kWiden ? 16 * 16 * NV : 1];
   __m512 q[G][NV];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NV; ++c) q[g][c] = _mm512_loadu_ps(r[g].q + 16 * c);
@@ -154,18 +176,17 @@ __attribute__((target("avx512f"))) void rows_avx512(const Row<KV>* r) {
   for (int64_t j0 = 0; j0 < a.n; j0 += 16) {
     const int kn = static_cast<int>(std::min<int64_t>(16, a.n - j0));
     const __mmask16 mk = __mmask16((1u << kn) - 1);  // kn <= 16: all 16 bits at most
+    if constexpr (kWiden)
+      for (int j = 0; j < kn; ++j)
+        for (int c = 0; c < NV; ++c)
+          _mm512_store_ps(widened + (j * NV + c) * 16, kv16(a.keys + a.idx[j0 + j] * a.d + 16 * c));
     for (int g = 0; g < G; ++g) {
-      __m512 acc[16];
-      for (int j = 0; j < 16; ++j) {
-        if (j >= kn) {
-          acc[j] = _mm512_setzero_ps();
-          continue;
-        }
-        const KV* k = a.keys + a.idx[j0 + j] * a.d;
-        acc[j] = _mm512_mul_ps(q[g][0], kv16(k));
-        for (int c = 1; c < NV; ++c) acc[j] = _mm512_fmadd_ps(q[g][c], kv16(k + 16 * c), acc[j]);
-      }
-      const __m512 sc = _mm512_mul_ps(hsum16(acc), scale);
+      __m512 scores;
+      if constexpr (kWiden)
+        scores = chunk_scores<NV, float>(q[g], kn, [&](int j) { return widened + j * NV * 16; });
+      else
+        scores = chunk_scores<NV, KV>(q[g], kn, [&](int j) { return a.keys + a.idx[j0 + j] * a.d; });
+      const __m512 sc = _mm512_mul_ps(scores, scale);
       _mm512_mask_storeu_ps(r[g].w + j0, mk, sc);
       vmax[g] = _mm512_mask_max_ps(vmax[g], mk, vmax[g], sc);
     }
