@@ -52,6 +52,7 @@ def cmd_info(a) -> int:
     import torch
 
     from ..compute import choose_compute, cpu_info
+    from ..model.arena import huge_pages_status
     from ..ops.cpu_extension import build_dir, kernel_error
 
     cpu, err = cpu_info(), kernel_error()
@@ -61,6 +62,7 @@ def cmd_info(a) -> int:
     print(f"compute path: {choice.path}{' (' + choice.isa + ')' if choice.isa else ''}: {choice.reason}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, ATen CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}")
+    print(huge_pages_status())
     print("override with --compute fp32|bf16|int8 (int8 uses AMX tiles where the CPU has them; DRAFTTREE_AMX=0 turns them off); ATEN_CPU_CAPABILITY=avx2 (or DRAFTTREE_ISA=avx2) restricts to AVX2")
     return 0
 

@@ -78,3 +78,16 @@ def test_huge_page_buffer_is_aligned_and_writable():
     assert buf.numel() == 3 * HUGE_PAGE // 2 + 5 and buf.data_ptr() % HUGE_PAGE == 0
     buf.fill_(3)
     assert int(buf.sum()) == 3 * buf.numel()
+
+
+@pytest.mark.parametrize("mode,expect", [("always [madvise] never", "yes (transparent huge pages: madvise)"),
+                                         ("always madvise [never]", "turns them on"),
+                                         ("[always] madvise never", "yes (transparent huge pages: always)")])
+def test_status_line_reads_the_system_setting(tmp_path, monkeypatch, mode, expect):
+    monkeypatch.setenv("DRAFTTREE_HUGE_PAGES", "1")
+    monkeypatch.setattr(sys, "platform", "linux")
+    setting = tmp_path / "enabled"
+    setting.write_text(mode + "\n")
+    assert expect in arena.huge_pages_status(str(setting))
+    monkeypatch.setenv("DRAFTTREE_HUGE_PAGES", "0")
+    assert "off" in arena.huge_pages_status(str(setting))
