@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from drafttree.compute import cpu_info
+from drafttree.compute import choose_compute, cpu_info
 from drafttree.drafter.model import DFlashConfig, DFlashDrafter
 from drafttree.engine import generate_ar
 from drafttree.methods import generate, make_proposer
@@ -66,8 +66,7 @@ def main() -> None:
     ap.add_argument("--out", default="docs/gdn/hybrid_methods.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    info = cpu_info()
-    isa = "avx512_vnni" if "avx512_vnni" in info.isa_summary.split() else "avx2"
+    info, isa = cpu_info(), choose_compute("q4").isa  # the q4 kernels' ISA (honours DRAFTTREE_ISA=avx2)
     gen = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
     model, _ = build_quantized(HybridModel, hybrid_config(a.layers), isa, gen)

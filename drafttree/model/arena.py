@@ -26,13 +26,11 @@ import torch.nn as nn
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # every storage starts on a cache line (the kernels' vector loads do not need it; it is free)
 _RELEASE_EVERY = 64 << 20  # bytes moved between two returns of freed memory: the move's extra resident memory
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def huge_pages_enabled() -> bool:
     return sys.platform == "linux" and os.environ.get("DRAFTTREE_HUGE_PAGES", "1") != "0"
-
-
-THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def huge_pages_status(setting: str = THP_SETTING) -> str:
@@ -73,24 +71,15 @@ def _release_freed_memory() -> None:
         pass
 
 
-def _model_tensors(model: nn.Module) -> list[torch.Tensor]:
-    seen, out = set(), []
-    for module in model.modules():
-        for t in (*module._parameters.values(), *module._buffers.values()):
-            if t is not None and t.device.type == "cpu" and id(t) not in seen:
-                seen.add(id(t))
-                out.append(t)
-    return out
-
-
 def pack_weights(model: nn.Module) -> torch.Tensor | None:
     """Move every CPU parameter and buffer of `model` into one 2 MB-aligned arena advised as huge pages; returns
     the arena (the tensors are views of it), or None where nothing moved (disabled, or no tensors)."""
     if not huge_pages_enabled():
         return None
     by_storage: dict[int, list[torch.Tensor]] = {}  # storage address -> the tensors viewing it
-    for t in _model_tensors(model):
-        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    for t in (*model.parameters(), *model.buffers()):  # each tensor once, however many modules share it
+        if t.device.type == "cpu":
+            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
     sizes = [-(-views[0].untyped_storage().nbytes() // _ALIGN) * _ALIGN for views in by_storage.values()]
     if not sum(sizes):
         return None

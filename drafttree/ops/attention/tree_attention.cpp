@@ -610,7 +610,8 @@ Problem rope_rows(const RopeArgs& a, const float* src, const float* cp, const fl
   float krot[256];
   for (int64_t t = 0; t < T; ++t) {
     const float* row = src + t * a.width;
-    for (int64_t h = 0; h < a.n_heads; ++h) rope(row + h * d, cp + t * d, sp + t * d, d, a.qn, a.eps, qp + (h * T + t) * d, a.isa);
+    for (int64_t h = 0; h < a.n_heads; ++h)
+      rope(row + h * d, cp + t * d, sp + t * d, d, a.qn, a.eps, qp + (h * T + t) * d, a.isa);
     for (int64_t h = 0; h < a.n_kv; ++h) {
       const int64_t at = (h * Lmax + past + t) * d;
       const float* v = row + (a.n_heads + a.n_kv + h) * d;
